@@ -1,0 +1,241 @@
+"""Model configuration: one frozen dataclass, built from a Hugging Face config.
+
+Every way a model is described (a checkpoint's `config.json`, a GGUF file's
+metadata, the paper-shape dicts under `configs/`) goes through
+`ModelConfig.from_hf`, which validates what the decoder supports and refuses
+the rest with one clear message.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from typing import Any, Mapping
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
+SUPPORTED_ROPE_TYPES = ("default", "llama3", "yarn")
+DTYPES = ("float32", "bfloat16")
+
+
+class ConfigError(ValueError):
+  """A model or run configuration that dustin_jax cannot serve."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeConfig:
+  theta: float
+  rope_type: str = "default"
+  factor: float = 1.0
+  # llama3
+  low_freq_factor: float = 1.0
+  high_freq_factor: float = 4.0
+  original_max_position_embeddings: int = 8192
+  # yarn
+  beta_fast: float = 32.0
+  beta_slow: float = 1.0
+  attention_factor: float | None = None
+  mscale: float | None = None
+  mscale_all_dim: float | None = None
+  truncate: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """Shape and numerics of one Llama-3 / Qwen2 decoder."""
+
+  model_type: str
+  vocab_size: int
+  hidden_size: int
+  intermediate_size: int
+  num_layers: int
+  num_heads: int
+  num_kv_heads: int
+  head_dim: int
+  rope: RopeConfig
+  rms_norm_eps: float = 1e-6
+  qkv_bias: bool = False
+  o_bias: bool = False
+  tie_embeddings: bool = False
+  max_position_embeddings: int = 32768
+  dtype: str = "bfloat16"
+  bos_token_id: int | None = None
+  eos_token_ids: tuple[int, ...] = ()
+
+  @property
+  def group_size(self) -> int:
+    return self.num_heads // self.num_kv_heads
+
+  def replace(self, **kw) -> "ModelConfig":
+    return dataclasses.replace(self, **kw)
+
+  def num_params(self) -> int:
+    d, h, kv, hd = self.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim
+    attn = d * (h + 2 * kv) * hd + h * hd * d
+    if self.qkv_bias:
+      attn += (h + 2 * kv) * hd
+    mlp = 3 * d * self.intermediate_size
+    per_layer = attn + mlp + 2 * d
+    emb = self.vocab_size * d * (1 if self.tie_embeddings else 2)
+    return self.num_layers * per_layer + emb + d
+
+  def kv_bytes_per_token(self, bytes_per_el: int | None = None) -> int:
+    if bytes_per_el is None:
+      bytes_per_el = 4 if self.dtype == "float32" else 2
+    return 2 * self.num_layers * self.num_kv_heads * self.head_dim * bytes_per_el
+
+  # ------------------------------------------------------------------ loaders
+  @classmethod
+  def from_hf(cls, hf: Any, *, dtype: str = "bfloat16",
+              num_layers: int | None = None) -> "ModelConfig":
+    """From a transformers `PretrainedConfig`, a config dict, or a directory
+    / `config.json` path. `num_layers` overrides the depth (benchmarks of
+    paper shapes with fewer layers)."""
+    hf = _as_hf_config(hf)
+    get = lambda k, default=None: getattr(hf, k, default)
+    model_type = get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+      raise ConfigError(
+          f"unsupported architecture model_type={model_type!r}: dustin_jax "
+          f"serves {', '.join(SUPPORTED_MODEL_TYPES)} (Llama-3 family and "
+          "Qwen2/Qwen2.5).")
+    if dtype not in DTYPES:
+      raise ConfigError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+    act = get("hidden_act", "silu")
+    if act != "silu":
+      raise ConfigError(f"unsupported hidden_act={act!r} (only 'silu')")
+    if get("mlp_bias", False):
+      raise ConfigError("unsupported mlp_bias=True")
+    if model_type == "qwen2" and get("use_sliding_window", False):
+      raise ConfigError("unsupported use_sliding_window=True (Qwen2 sliding "
+                        "window attention); every layer must attend fully")
+    num_heads = int(get("num_attention_heads"))
+    num_kv = int(get("num_key_value_heads") or num_heads)
+    hidden = int(get("hidden_size"))
+    head_dim = int(get("head_dim") or hidden // num_heads)
+    if num_heads % num_kv:
+      raise ConfigError(f"num_attention_heads={num_heads} is not a multiple of "
+                        f"num_key_value_heads={num_kv}")
+    eos = get("eos_token_id")
+    eos = () if eos is None else tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
+    return cls(
+        model_type=model_type,
+        vocab_size=int(get("vocab_size")),
+        hidden_size=hidden,
+        intermediate_size=int(get("intermediate_size")),
+        num_layers=int(num_layers if num_layers is not None else get("num_hidden_layers")),
+        num_heads=num_heads,
+        num_kv_heads=num_kv,
+        head_dim=head_dim,
+        rope=_rope_from_hf(hf),
+        rms_norm_eps=float(get("rms_norm_eps", 1e-6)),
+        qkv_bias=model_type == "qwen2" or bool(get("attention_bias", False)),
+        o_bias=model_type != "qwen2" and bool(get("attention_bias", False)),
+        tie_embeddings=bool(get("tie_word_embeddings", False)),
+        max_position_embeddings=int(get("max_position_embeddings", 32768)),
+        dtype=dtype,
+        bos_token_id=get("bos_token_id"),
+        eos_token_ids=eos,
+    )
+
+
+def _as_hf_config(hf: Any):
+  from transformers import AutoConfig, PretrainedConfig  # heavy: import lazily
+  if isinstance(hf, PretrainedConfig):
+    return hf
+  if isinstance(hf, Mapping):
+    d = dict(hf)
+    model_type = d.pop("model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+      raise ConfigError(
+          f"unsupported architecture model_type={model_type!r}: dustin_jax "
+          f"serves {', '.join(SUPPORTED_MODEL_TYPES)}.")
+    return AutoConfig.for_model(model_type, **d)
+  path = os.fspath(hf)
+  if os.path.isdir(path):
+    path = os.path.join(path, "config.json")
+  if not os.path.exists(path):
+    raise ConfigError(f"no model config at {path!r} (expected a Hugging Face "
+                      "checkpoint directory with config.json)")
+  with open(path) as f:
+    return _as_hf_config(json.load(f))
+
+
+def _rope_from_hf(hf) -> RopeConfig:
+  params = dict(getattr(hf, "rope_parameters", None) or {})
+  legacy = getattr(hf, "rope_scaling", None)  # transformers < 5
+  if legacy:
+    params = {**dict(legacy), **params}
+  theta = params.get("rope_theta", getattr(hf, "rope_theta", None))
+  if theta is None:
+    theta = 10000.0
+  rope_type = params.get("rope_type", params.get("type", "default"))
+  if rope_type not in SUPPORTED_ROPE_TYPES:
+    raise ConfigError(f"unsupported rope type {rope_type!r}; supported: "
+                      f"{', '.join(SUPPORTED_ROPE_TYPES)}")
+  if params.get("partial_rotary_factor", 1.0) != 1.0:
+    raise ConfigError("unsupported partial_rotary_factor != 1")
+  max_pos = int(getattr(hf, "max_position_embeddings", 32768))
+  kw: dict[str, Any] = dict(theta=float(theta), rope_type=rope_type)
+  if rope_type != "default":
+    kw["original_max_position_embeddings"] = int(
+        params.get("original_max_position_embeddings") or max_pos)
+    factor = params.get("factor")
+    if factor is None:
+      factor = max_pos / kw["original_max_position_embeddings"]
+    kw["factor"] = float(factor)
+  if rope_type == "llama3":
+    kw.update(low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+              high_freq_factor=float(params.get("high_freq_factor", 4.0)))
+  if rope_type == "yarn":
+    for k in ("attention_factor", "mscale", "mscale_all_dim"):
+      if params.get(k) is not None:
+        kw[k] = float(params[k])
+    kw.update(beta_fast=float(params.get("beta_fast") or 32.0),
+              beta_slow=float(params.get("beta_slow") or 1.0),
+              truncate=bool(params.get("truncate", True)))
+  return RopeConfig(**kw)
+
+
+def rope_inv_freq(cfg: ModelConfig):
+  """Inverse frequencies [head_dim // 2] and the cos/sin scale (numpy f32)."""
+  import numpy as np
+  r, dim = cfg.rope, cfg.head_dim
+  inv_freq = 1.0 / (r.theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
+  if r.rope_type == "default":
+    return inv_freq.astype(np.float32), 1.0
+  if r.rope_type == "llama3":
+    old = r.original_max_position_embeddings
+    low_wavelen = old / r.low_freq_factor
+    high_wavelen = old / r.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = np.where(wavelen > low_wavelen, inv_freq / r.factor, inv_freq)
+    smooth = (old / wavelen - r.low_freq_factor) / (r.high_freq_factor - r.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / r.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return np.where(medium, smoothed, scaled).astype(np.float32), 1.0
+  # yarn: blend interpolated and extrapolated frequencies by a linear ramp
+  # over the dimensions whose wavelength lies between beta_slow and beta_fast
+  # rotations of the original context.
+  def mscale(scale, m=1.0):
+    return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+  attn = r.attention_factor
+  if attn is None:
+    if r.mscale and r.mscale_all_dim:
+      attn = mscale(r.factor, r.mscale) / mscale(r.factor, r.mscale_all_dim)
+    else:
+      attn = mscale(r.factor)
+  def corr_dim(rot):
+    return dim * math.log(r.original_max_position_embeddings / (rot * 2 * math.pi)) / (2 * math.log(r.theta))
+  low, high = corr_dim(r.beta_fast), corr_dim(r.beta_slow)
+  if r.truncate:
+    low, high = math.floor(low), math.ceil(high)
+  low, high = max(low, 0), min(high, dim - 1)
+  if low == high:
+    high += 0.001
+  ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - low) / (high - low), 0, 1)
+  extrapolation = 1 - ramp
+  pos_freqs = r.theta ** (np.arange(0, dim, 2, dtype=np.float32) / dim)
+  inv = (1.0 / (r.factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+  return inv.astype(np.float32), float(attn)

@@ -1,0 +1,181 @@
+"""Prefill, per-sequence stop control, and plain autoregressive decoding.
+
+Conventions shared with the speculative engine:
+- `prefill` puts `prompt[:-1]` into the cache; the last prompt token is the
+  first *pending* token: emitted (or given) but not yet in any cache. Every
+  step feeds the pending token first, so each step writes `n + 1` rows and
+  commits exactly as many rows as it emits tokens.
+- Stop control (EOS, max new tokens) is per sequence; a finished sequence
+  emits nothing and stops advancing its cache while the batch goes on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from dustin_jax.cache import KVCache
+from dustin_jax.config import ModelConfig
+from dustin_jax.sampling import SamplingConfig, probs, sample
+
+
+class Model(NamedTuple):
+  """A decoder as the jitted functions take it: `graphdef` is static."""
+  cfg: ModelConfig
+  graphdef: nnx.GraphDef
+  state: nnx.State
+
+
+class InputError(ValueError):
+  """Inputs that cannot be decoded as asked (too long, empty, ...)."""
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DecodeState:
+  pending: jax.Array        # int32[B] last token, not yet in the caches
+  num_generated: jax.Array  # int32[B]
+  max_new: jax.Array        # int32[B]
+  done: jax.Array           # bool[B]
+  rng: jax.Array
+
+  @classmethod
+  def init(cls, last_prompt_tokens, max_new_tokens, rng) -> "DecodeState":
+    pending = jnp.asarray(last_prompt_tokens, jnp.int32)
+    b = pending.shape[0]
+    max_new = jnp.broadcast_to(jnp.asarray(max_new_tokens, jnp.int32), (b,))
+    return cls(pending=pending, num_generated=jnp.zeros((b,), jnp.int32),
+               max_new=max_new, done=max_new <= 0, rng=rng)
+
+
+def emit(ds: DecodeState, tokens: jax.Array, n_valid: jax.Array,
+         eos_ids: tuple[int, ...]):
+  """Emit up to `n_valid[b]` of `tokens[B, n]`, cut after the first EOS and
+  at the sequence's max-new budget; nothing for finished sequences.
+
+  Returns (state, tokens with -1 where not emitted, number emitted[B]).
+  """
+  b, n = tokens.shape
+  pos = jnp.arange(n, dtype=jnp.int32)[None]
+  is_eos = jnp.zeros(tokens.shape, bool)
+  for e in eos_ids:
+    is_eos |= tokens == e
+  first_eos = jnp.min(jnp.where(is_eos & (pos < n_valid[:, None]), pos, n), axis=1)
+  count = jnp.minimum(n_valid, first_eos + 1)
+  count = jnp.minimum(count, ds.max_new - ds.num_generated)
+  count = jnp.where(ds.done, 0, count).astype(jnp.int32)
+  out = jnp.where(pos < count[:, None], tokens, -1)
+  last = jnp.take_along_axis(tokens, jnp.maximum(count - 1, 0)[:, None], axis=1)[:, 0]
+  hit_eos = first_eos < count
+  num_generated = ds.num_generated + count
+  ds = dataclasses.replace(
+      ds,
+      pending=jnp.where(count > 0, last, ds.pending),
+      num_generated=num_generated,
+      done=ds.done | hit_eos | (num_generated >= ds.max_new))
+  return ds, out, count
+
+
+# ------------------------------------------------------------------ prefill
+@functools.partial(jax.jit, static_argnames=("graphdef", "impl"), donate_argnames=("cache",))
+def _prefill_chunk(graphdef, state, cache: KVCache, tokens, n_valid, impl="auto"):
+  model = nnx.merge(graphdef, state)
+  _, cache, _ = model(tokens, cache, impl=impl)
+  return cache.commit(n_valid)
+
+
+def check_lengths(prompt_lengths: Sequence[int], max_new_tokens: int, max_len: int,
+                  block: int = 1) -> None:
+  """One clear error before any work if a sequence cannot fit its cache."""
+  if not prompt_lengths or min(prompt_lengths) < 1:
+    raise InputError("every prompt needs at least one token")
+  need = max(prompt_lengths) - 1 + max_new_tokens + block
+  if need > max_len:
+    raise InputError(
+        f"prompt of {max(prompt_lengths)} tokens + {max_new_tokens} new tokens "
+        f"(+{block} rows of work space) needs a cache of {need} rows, but max_len is "
+        f"{max_len}: raise max_len, shorten the prompt or generate fewer tokens")
+
+
+def prefill(model: Model, cache: KVCache, prompts: Sequence[Sequence[int]], *,
+            chunk: int = 256, impl: str = "auto", progress: bool = False) -> KVCache:
+  """Write `prompt[:-1]` of each (ragged) prompt into an empty cache, in
+  chunks of `chunk` tokens so that a long prompt never builds an S x S mask.
+  Returns the cache; the last prompt tokens are the pending tokens."""
+  b = cache.batch
+  if len(prompts) != b:
+    raise InputError(f"{len(prompts)} prompts for a batch of {b}")
+  bodies = [list(p)[:-1] for p in prompts]
+  longest = max((len(p) for p in bodies), default=0)
+  n_chunks = -(-longest // chunk)
+  bar = _progress(n_chunks, "prefill", progress)
+  for c in range(n_chunks):
+    tok = np.zeros((b, chunk), np.int32)
+    n_valid = np.zeros((b,), np.int32)
+    for i, p in enumerate(bodies):
+      part = p[c * chunk:(c + 1) * chunk]
+      tok[i, :len(part)] = part
+      n_valid[i] = len(part)
+    cache = _prefill_chunk(model.graphdef, model.state, cache, jnp.asarray(tok),
+                           jnp.asarray(n_valid), impl=impl)
+    bar.update(1)
+  bar.close()
+  return cache
+
+
+def _progress(total: int, desc: str, enabled: bool):
+  from tqdm.auto import tqdm
+  return tqdm(total=total, desc=desc, disable=not enabled, leave=False)
+
+
+# ------------------------------------------------------------- vanilla step
+@functools.partial(jax.jit, static_argnames=("graphdef", "sampling", "eos_ids", "impl"),
+                   donate_argnames=("cache",))
+def vanilla_step(graphdef, state, cache: KVCache, ds: DecodeState, *,
+                 sampling: SamplingConfig, eos_ids: tuple[int, ...] = (),
+                 impl: str = "auto"):
+  """One token of plain autoregressive decoding for the whole batch.
+  Returns (cache, state, tokens[B, 1] (-1: none), n_emitted[B])."""
+  model = nnx.merge(graphdef, state)
+  hidden, cache, _ = model(ds.pending[:, None], cache, impl=impl)
+  logits = model.logits(hidden[:, 0])
+  rng, key = jax.random.split(ds.rng)
+  tok = sample(key, probs(logits, sampling))
+  ds, out, n = emit(dataclasses.replace(ds, rng=rng), tok[:, None], jnp.ones_like(tok), eos_ids)
+  return cache.commit(n), ds, out, n
+
+
+def collect(out_tokens: list[np.ndarray]) -> list[list[int]]:
+  """Concatenate per-step emitted tokens [B, n] (-1 = none) per sequence."""
+  if not out_tokens:
+    return []
+  allt = np.concatenate(out_tokens, axis=1)
+  return [[int(t) for t in row if t >= 0] for row in allt]
+
+
+def generate(model: Model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
+             max_len: int, sampling: SamplingConfig = SamplingConfig(),
+             eos_ids: tuple[int, ...] = (), seed: int = 0, chunk: int = 256,
+             impl: str = "auto", progress: bool = False) -> list[list[int]]:
+  """Plain autoregressive decoding of a ragged batch; the baseline."""
+  check_lengths([len(p) for p in prompts], max_new_tokens, max_len)
+  cache = KVCache.init(model.cfg, len(prompts), max_len)
+  cache = prefill(model, cache, prompts, chunk=chunk, impl=impl, progress=progress)
+  ds = DecodeState.init([p[-1] for p in prompts], max_new_tokens, jax.random.key(seed))
+  outs = []
+  bar = _progress(max_new_tokens, "decode", progress)
+  for _ in range(max_new_tokens):
+    cache, ds, out, _ = vanilla_step(model.graphdef, model.state, cache, ds,
+                                     sampling=sampling, eos_ids=tuple(eos_ids), impl=impl)
+    outs.append(np.asarray(out))
+    bar.update(1)
+    if bool(jnp.all(ds.done)):
+      break
+  bar.close()
+  return collect(outs)

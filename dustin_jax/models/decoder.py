@@ -1,0 +1,161 @@
+"""One Flax NNX decoder for the Llama-3 family and Qwen2/Qwen2.5.
+
+The architectures differ only in flags of `ModelConfig` (q/k/v bias, tied
+embeddings, rope scaling). Linear kernels are stored `[in, out]`.
+
+Attention reads the KV cache through `kernels/`: the full cache
+(`decode_attention`) or, when `kv_indices` is given, only those context rows
+plus the new block (`sparse_verify`) -- the seam the selection policies use.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from dustin_jax.cache import KVCache, write_rows
+from dustin_jax.config import ModelConfig, rope_inv_freq
+from kernels.decode_attention.ops import decode_attention
+from kernels.sparse_verify.ops import sparse_verify
+
+_INIT = nnx.initializers.normal(0.02)
+
+
+class Linear(nnx.Module):
+
+  def __init__(self, d_in: int, d_out: int, *, bias: bool, dtype, rngs: nnx.Rngs):
+    self.kernel = nnx.Param(_INIT(rngs.params(), (d_in, d_out), dtype))
+    self.bias = nnx.Param(jnp.zeros((d_out,), dtype)) if bias else None
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    y = jnp.dot(x, self.kernel[...], preferred_element_type=jnp.float32)
+    if self.bias is not None:
+      y = y + self.bias[...].astype(jnp.float32)
+    return y.astype(x.dtype)
+
+
+class RMSNorm(nnx.Module):
+
+  def __init__(self, dim: int, eps: float, dtype):
+    self.weight = nnx.Param(jnp.ones((dim,), dtype))
+    self.eps = eps
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+    return self.weight[...] * xf.astype(x.dtype)
+
+
+def rope_tables(cfg: ModelConfig, positions: jax.Array):
+  """cos, sin of shape [B, T, head_dim] (f32) for integer positions [B, T]."""
+  inv_freq, scale = rope_inv_freq(cfg)
+  freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)
+  emb = jnp.concatenate([freqs, freqs], axis=-1)
+  return jnp.cos(emb) * scale, jnp.sin(emb) * scale
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+  """x: [B, T, H, D]; rotate-half convention (as Hugging Face checkpoints)."""
+  xf = x.astype(jnp.float32)
+  half = x.shape[-1] // 2
+  rotated = jnp.concatenate([-xf[..., half:], xf[..., :half]], axis=-1)
+  out = xf * cos[:, :, None, :] + rotated * sin[:, :, None, :]
+  return out.astype(x.dtype)
+
+
+class Attention(nnx.Module):
+
+  def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
+    d, hd = cfg.hidden_size, cfg.head_dim
+    self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, hd
+    self.q_proj = Linear(d, cfg.num_heads * hd, bias=cfg.qkv_bias, dtype=dtype, rngs=rngs)
+    self.k_proj = Linear(d, cfg.num_kv_heads * hd, bias=cfg.qkv_bias, dtype=dtype, rngs=rngs)
+    self.v_proj = Linear(d, cfg.num_kv_heads * hd, bias=cfg.qkv_bias, dtype=dtype, rngs=rngs)
+    self.o_proj = Linear(cfg.num_heads * hd, d, bias=cfg.o_bias, dtype=dtype, rngs=rngs)
+
+  def __call__(self, x, cos, sin, k_cache, v_cache, lengths, kv_indices, impl):
+    b, t, _ = x.shape
+    q = self.q_proj(x).reshape(b, t, self.num_heads, self.head_dim)
+    k = self.k_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
+    v = self.v_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    k_cache = write_rows(k_cache, k, lengths)
+    v_cache = write_rows(v_cache, v, lengths)
+    if kv_indices is None:
+      out = decode_attention(q, k_cache, v_cache, lengths, impl=impl)
+    else:
+      out = sparse_verify(q, k_cache, v_cache, lengths, kv_indices, impl=impl)
+    out = self.o_proj(out.reshape(b, t, self.num_heads * self.head_dim))
+    return out, k_cache, v_cache, q
+
+
+class MLP(nnx.Module):
+
+  def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
+    d, f = cfg.hidden_size, cfg.intermediate_size
+    self.gate_proj = Linear(d, f, bias=False, dtype=dtype, rngs=rngs)
+    self.up_proj = Linear(d, f, bias=False, dtype=dtype, rngs=rngs)
+    self.down_proj = Linear(f, d, bias=False, dtype=dtype, rngs=rngs)
+
+  def __call__(self, x):
+    return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nnx.Module):
+
+  def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
+    self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+    self.self_attn = Attention(cfg, dtype, rngs)
+    self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+    self.mlp = MLP(cfg, dtype, rngs)
+
+  def __call__(self, x, cos, sin, k_cache, v_cache, lengths, kv_indices, impl):
+    h, k_cache, v_cache, q = self.self_attn(
+        self.input_layernorm(x), cos, sin, k_cache, v_cache, lengths, kv_indices, impl)
+    x = x + h
+    x = x + self.mlp(self.post_attention_layernorm(x))
+    return x, k_cache, v_cache, q
+
+
+class Decoder(nnx.Module):
+  """Token ids in, final hidden states out; `logits()` projects them."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    dtype = jnp.dtype(cfg.dtype)
+    self.cfg = cfg
+    self.embed_tokens = nnx.Param(_INIT(rngs.params(), (cfg.vocab_size, cfg.hidden_size), dtype))
+    self.layers = nnx.List([Block(cfg, dtype, rngs) for _ in range(cfg.num_layers)])
+    self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+    self.lm_head = (None if cfg.tie_embeddings else
+                    Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype, rngs=rngs))
+
+  def __call__(self, tokens: jax.Array, cache: KVCache, *,
+               kv_indices: jax.Array | None = None, tap_layers=(),
+               impl: str = "auto"):
+    """Run `tokens[B, T]` at positions `cache.lengths[b] + t`.
+
+    Writes their K/V into the cache (lengths unchanged: commit separately).
+    `kv_indices[B, K]`: attend only to those context rows plus the new block
+    (None: the full cache). Returns (hidden [B, T, d] after the final norm,
+    cache, {layer: queries [B, T, Hq, D] after rope} for `tap_layers`).
+    """
+    t = tokens.shape[1]
+    positions = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None]
+    cos, sin = rope_tables(self.cfg, positions)
+    x = jnp.take(self.embed_tokens[...], tokens, axis=0)
+    taps = {}
+    for i, layer in enumerate(self.layers):
+      x, k, v, q = layer(x, cos, sin, cache.k[i], cache.v[i], cache.lengths,
+                         kv_indices, impl)
+      cache = cache.with_layer(i, k, v)
+      if i in tap_layers:
+        taps[i] = q
+    return self.norm(x), cache, taps
+
+  def logits(self, hidden: jax.Array) -> jax.Array:
+    """f32 logits [..., vocab] of final hidden states."""
+    if self.lm_head is None:
+      w = self.embed_tokens[...]
+      return jnp.einsum("...d,vd->...v", hidden, w, preferred_element_type=jnp.float32)
+    return jnp.dot(hidden, self.lm_head.kernel[...], preferred_element_type=jnp.float32)

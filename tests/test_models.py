@@ -1,0 +1,150 @@
+"""The decoder against transformers' PyTorch models, and KV-cache semantics."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from conftest import save_tiny_checkpoint
+from dustin_jax.cache import KVCache
+from dustin_jax.generate import Model
+from dustin_jax.weights import load_hf_checkpoint
+
+
+def load(path, dtype="float32"):
+  cfg, graphdef, state = load_hf_checkpoint(path, dtype=dtype)
+  return Model(cfg, graphdef, state)
+
+
+def run(model: Model, tokens, cache, **kw):
+  """Logits [B, T, V] of `tokens` at the cache's positions; writes without commit."""
+  from flax import nnx
+  m = nnx.merge(model.graphdef, model.state)
+  hidden, cache, taps = m(jnp.asarray(tokens, jnp.int32), cache, **kw)
+  return np.asarray(m.logits(hidden)), cache, taps
+
+
+def chunked_logits(model: Model, tokens, chunk):
+  """Logits of every position, computed chunk by chunk through the cache."""
+  b, n = tokens.shape
+  cache = KVCache.init(model.cfg, b, max_len=n + 8)
+  outs = []
+  for s in range(0, n, chunk):
+    part = tokens[:, s:s + chunk]
+    logits, cache, _ = run(model, part, cache)
+    cache = cache.commit(jnp.full((b,), part.shape[1]))
+    outs.append(logits)
+  return np.concatenate(outs, axis=1)
+
+
+def hf_logits(hf_model, tokens):
+  with torch.no_grad():
+    return hf_model(torch.tensor(np.asarray(tokens), dtype=torch.long)).logits.numpy()
+
+
+@pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen"])
+def test_logits_match_transformers(fixture, request, rng):
+  path, hf = request.getfixturevalue(fixture)
+  model = load(path)
+  tokens = rng.integers(0, model.cfg.vocab_size, size=(2, 37))
+  ours = chunked_logits(model, tokens, chunk=16)  # a prompt longer than one chunk
+  ref = hf_logits(hf, tokens)
+  err = np.max(np.abs(ours - ref))
+  assert err < 1e-4, err
+
+
+@pytest.mark.parametrize("rope", [
+    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+     "original_max_position_embeddings": 64},
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128},
+])
+def test_rope_scaling_matches_transformers(rope, tmp_path, rng):
+  model_type = "llama" if rope["rope_type"] == "llama3" else "qwen2"
+  hf = save_tiny_checkpoint(tmp_path, model_type, seed=3, rope_scaling=dict(rope))
+  model = load(str(tmp_path))
+  assert model.cfg.rope.rope_type == rope["rope_type"]
+  tokens = rng.integers(0, model.cfg.vocab_size, size=(1, 300))  # past the original context
+  err = np.max(np.abs(chunked_logits(model, tokens, chunk=128) - hf_logits(hf, tokens)))
+  assert err < 1e-4, err
+
+
+def test_bf16_close_to_f32(tiny_qwen, rng):
+  path, _ = tiny_qwen
+  tokens = rng.integers(0, 97, size=(1, 20))
+  f32 = chunked_logits(load(path, "float32"), tokens, chunk=8)
+  bf16 = chunked_logits(load(path, "bfloat16"), tokens, chunk=8)
+  assert np.max(np.abs(f32 - bf16)) < 0.1 * np.max(np.abs(f32))
+
+
+def test_prefill_then_steps_equals_one_forward(tiny_llama, rng):
+  model = load(tiny_llama[0])
+  tokens = rng.integers(0, 97, size=(2, 24))
+  full = chunked_logits(model, tokens, chunk=24)
+  stepwise = chunked_logits(model, tokens, chunk=1)
+  mixed = chunked_logits(model, tokens, chunk=7)
+  np.testing.assert_allclose(stepwise, full, atol=2e-5)
+  np.testing.assert_allclose(mixed, full, atol=2e-5)
+
+
+def test_ragged_batch_equals_each_alone(tiny_qwen, rng):
+  model = load(tiny_qwen[0])
+  lens = [5, 17, 11]
+  seqs = [rng.integers(0, 97, size=n) for n in lens]
+  # batched: each sequence's prefix committed to its own length, then 3 new tokens each
+  cache = KVCache.init(model.cfg, 3, max_len=32)
+  prefix = np.zeros((3, max(lens)), np.int64)
+  for i, s in enumerate(seqs):
+    prefix[i, :len(s)] = s
+  _, cache, _ = run(model, prefix, cache)
+  cache = cache.commit(jnp.asarray(lens))
+  new = rng.integers(0, 97, size=(3, 3))
+  batched, _, _ = run(model, new, cache)
+  for i, s in enumerate(seqs):
+    alone = chunked_logits(model, np.concatenate([s, new[i]])[None], chunk=64)[0, -3:]
+    np.testing.assert_allclose(batched[i], alone, atol=2e-5)
+
+
+def test_rollback_is_free(tiny_llama, rng):
+  model = load(tiny_llama[0])
+  tokens = rng.integers(0, 97, size=(2, 10))
+  cache = KVCache.init(model.cfg, 2, max_len=32)
+  _, cache, _ = run(model, tokens, cache)
+  cache = cache.commit(jnp.array([10, 10]))
+  # write 5 speculative tokens, keep 2 of the first sequence and 0 of the second
+  spec = rng.integers(0, 97, size=(2, 5))
+  _, cache, _ = run(model, spec, cache)
+  cache = cache.commit(jnp.array([2, 0]))
+  nxt = rng.integers(0, 97, size=(2, 1))
+  after_rollback, _, _ = run(model, nxt, cache)
+  for i, keep in enumerate([2, 0]):
+    clean = np.concatenate([tokens[i], spec[i, :keep], nxt[i]])[None]
+    ref = chunked_logits(model, clean, chunk=64)[0, -1]
+    np.testing.assert_allclose(after_rollback[i, -1], ref, atol=2e-5)
+
+
+def test_sparse_indices_covering_context_equal_full(tiny_qwen, rng):
+  model = load(tiny_qwen[0])
+  tokens = rng.integers(0, 97, size=(2, 12))
+  cache = KVCache.init(model.cfg, 2, max_len=32)
+  _, cache, _ = run(model, tokens, cache)
+  cache = cache.commit(jnp.array([12, 9]))
+  block = rng.integers(0, 97, size=(2, 4))
+  full, _, _ = run(model, block, cache)
+  idx = np.full((2, 16), -1, np.int32)
+  idx[0, :12] = np.arange(12)
+  idx[1, :9] = np.arange(9)
+  sparse, _, _ = run(model, block, cache, kv_indices=jnp.asarray(idx))
+  np.testing.assert_allclose(sparse, full, atol=2e-5)
+  # and a strict subset changes the result (the indices are really used)
+  idx[0, 3:12] = -1
+  subset, _, _ = run(model, block, cache, kv_indices=jnp.asarray(idx))
+  assert np.max(np.abs(subset[0] - full[0])) > 1e-3
+
+
+def test_taps_return_queries_of_requested_layers(tiny_llama, rng):
+  model = load(tiny_llama[0])
+  cache = KVCache.init(model.cfg, 1, max_len=16)
+  _, _, taps = run(model, rng.integers(0, 97, size=(1, 3)), cache, tap_layers=(0, 2))
+  assert sorted(taps) == [0, 2]
+  assert taps[2].shape == (1, 3, model.cfg.num_heads, model.cfg.head_dim)
