@@ -1,0 +1,50 @@
+"""Vanilla decoding: equals transformers' greedy generate; clear input errors."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from dustin_jax.generate import DecodeState, InputError, Model, emit, generate
+from dustin_jax.sampling import SamplingConfig
+from dustin_jax.weights import load_hf_checkpoint
+
+
+def hf_greedy(hf, prompt, n):
+  with torch.no_grad():
+    out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False,
+                      min_new_tokens=n, pad_token_id=0)
+  return out[0, len(prompt):].tolist()
+
+
+def test_greedy_generate_matches_transformers_ragged(tiny_llama, rng):
+  path, hf = tiny_llama
+  model = Model(*load_hf_checkpoint(path, dtype="float32"))
+  prompts = [rng.integers(0, 97, size=n).tolist() for n in (9, 3, 14)]
+  ours = generate(model, prompts, max_new_tokens=12, max_len=40, chunk=8)
+  for p, o in zip(prompts, ours):
+    assert o == hf_greedy(hf, p, 12)
+
+
+def test_prompt_longer_than_cache_is_refused(tiny_llama):
+  model = Model(*load_hf_checkpoint(tiny_llama[0], dtype="float32"))
+  with pytest.raises(InputError, match="max_len is 16"):
+    generate(model, [[1] * 20], max_new_tokens=2, max_len=16)
+
+
+def test_emit_stops_at_eos_and_budget():
+  ds = DecodeState.init([0, 0, 0], [10, 2, 10], None)
+  ds = DecodeState(ds.pending, ds.num_generated, ds.max_new, ds.done.at[2].set(True), ds.rng)
+  toks = jnp.array([[5, 7, 9, 4], [5, 6, 8, 1], [1, 2, 3, 4]])
+  ds, out, n = emit(ds, toks, jnp.array([4, 4, 4]), eos_ids=(7,))
+  np.testing.assert_array_equal(n, [2, 2, 0])  # EOS kept; budget of 2; finished
+  np.testing.assert_array_equal(out[0], [5, 7, -1, -1])
+  np.testing.assert_array_equal(ds.done, [True, True, True])
+  np.testing.assert_array_equal(ds.pending, [7, 6, 0])
+
+
+def test_sampling_config_rejects_bad_values():
+  with pytest.raises(ValueError, match="top_p"):
+    SamplingConfig(temperature=1.0, top_p=0.0)
+  with pytest.raises(ValueError, match="temperature"):
+    SamplingConfig(temperature=-1.0)
