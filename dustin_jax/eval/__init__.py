@@ -1,0 +1,1 @@
+"""Evaluation data and tasks built from real, offline texts."""
