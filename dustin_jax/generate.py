@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import time
 from typing import NamedTuple, Sequence
 
 import jax
@@ -40,17 +41,19 @@ class InputError(ValueError):
 @dataclasses.dataclass(frozen=True)
 class DecodeState:
   pending: jax.Array        # int32[B] last token, not yet in the caches
+  prev: jax.Array           # int32[B] the token before it (the last cache row)
   num_generated: jax.Array  # int32[B]
   max_new: jax.Array        # int32[B]
   done: jax.Array           # bool[B]
   rng: jax.Array
 
   @classmethod
-  def init(cls, last_prompt_tokens, max_new_tokens, rng) -> "DecodeState":
-    pending = jnp.asarray(last_prompt_tokens, jnp.int32)
+  def init(cls, prompts, max_new_tokens, rng) -> "DecodeState":
+    pending = jnp.asarray([p[-1] for p in prompts], jnp.int32)
+    prev = jnp.asarray([p[-2] if len(p) > 1 else -1 for p in prompts], jnp.int32)
     b = pending.shape[0]
     max_new = jnp.broadcast_to(jnp.asarray(max_new_tokens, jnp.int32), (b,))
-    return cls(pending=pending, num_generated=jnp.zeros((b,), jnp.int32),
+    return cls(pending=pending, prev=prev, num_generated=jnp.zeros((b,), jnp.int32),
                max_new=max_new, done=max_new <= 0, rng=rng)
 
 
@@ -71,15 +74,48 @@ def emit(ds: DecodeState, tokens: jax.Array, n_valid: jax.Array,
   count = jnp.minimum(count, ds.max_new - ds.num_generated)
   count = jnp.where(ds.done, 0, count).astype(jnp.int32)
   out = jnp.where(pos < count[:, None], tokens, -1)
-  last = jnp.take_along_axis(tokens, jnp.maximum(count - 1, 0)[:, None], axis=1)[:, 0]
+  at = lambda i: jnp.take_along_axis(tokens, jnp.maximum(i, 0)[:, None], axis=1)[:, 0]
+  last, before_last = at(count - 1), at(count - 2)
   hit_eos = first_eos < count
   num_generated = ds.num_generated + count
   ds = dataclasses.replace(
       ds,
       pending=jnp.where(count > 0, last, ds.pending),
+      prev=jnp.where(count > 1, before_last, jnp.where(count == 1, ds.pending, ds.prev)),
       num_generated=num_generated,
       done=ds.done | hit_eos | (num_generated >= ds.max_new))
   return ds, out, count
+
+
+@dataclasses.dataclass
+class DecodeStats:
+  """Counters of one decode run (vanilla: gamma = 0, tau = 1)."""
+  steps: int = 0
+  tokens: int = 0              # emitted, all sequences
+  seq_steps: int = 0           # (sequence, step) pairs with the sequence active
+  accepted: int = 0            # accepted draft tokens over those pairs
+  gamma: int = 0
+  prefill_s: float = 0.0
+  decode_s: float = 0.0
+
+  @property
+  def tau(self) -> float:
+    """Mean tokens per verification: accepted drafts + 1."""
+    return (self.accepted + self.seq_steps) / max(self.seq_steps, 1)
+
+  @property
+  def acceptance_rate(self) -> float:
+    return self.accepted / max(self.seq_steps * self.gamma, 1) if self.gamma else 0.0
+
+  @property
+  def tokens_per_s(self) -> float:
+    return self.tokens / self.decode_s if self.decode_s else 0.0
+
+  def as_dict(self) -> dict:
+    d = dataclasses.asdict(self)
+    d.update(tau=self.tau, acceptance_rate=self.acceptance_rate, tokens_per_s=self.tokens_per_s)
+    return d
+
 
 
 # ------------------------------------------------------------------ prefill
@@ -162,20 +198,31 @@ def collect(out_tokens: list[np.ndarray]) -> list[list[int]]:
 def generate(model: Model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
              max_len: int, sampling: SamplingConfig = SamplingConfig(),
              eos_ids: tuple[int, ...] = (), seed: int = 0, chunk: int = 256,
-             impl: str = "auto", progress: bool = False) -> list[list[int]]:
-  """Plain autoregressive decoding of a ragged batch; the baseline."""
+             impl: str = "auto", progress: bool = False):
+  """Plain autoregressive decoding of a ragged batch, the baseline.
+  Returns (token lists, DecodeStats)."""
   check_lengths([len(p) for p in prompts], max_new_tokens, max_len)
+  stats = DecodeStats(gamma=0)
+  t0 = time.perf_counter()
   cache = KVCache.init(model.cfg, len(prompts), max_len)
   cache = prefill(model, cache, prompts, chunk=chunk, impl=impl, progress=progress)
-  ds = DecodeState.init([p[-1] for p in prompts], max_new_tokens, jax.random.key(seed))
+  ds = DecodeState.init(prompts, max_new_tokens, jax.random.key(seed))
+  jax.block_until_ready(cache)
+  stats.prefill_s = time.perf_counter() - t0
   outs = []
-  bar = _progress(max_new_tokens, "decode", progress)
-  for _ in range(max_new_tokens):
-    cache, ds, out, _ = vanilla_step(model.graphdef, model.state, cache, ds,
+  bar = _progress(max_new_tokens * len(prompts), "decode", progress)
+  t0 = time.perf_counter()
+  while True:
+    active = int(np.sum(~np.asarray(ds.done)))
+    if not active:
+      break
+    cache, ds, out, n = vanilla_step(model.graphdef, model.state, cache, ds,
                                      sampling=sampling, eos_ids=tuple(eos_ids), impl=impl)
     outs.append(np.asarray(out))
-    bar.update(1)
-    if bool(jnp.all(ds.done)):
-      break
+    stats.steps += 1
+    stats.seq_steps += active
+    stats.tokens += int(np.sum(n))
+    bar.update(int(np.sum(n)))
+  stats.decode_s = time.perf_counter() - t0
   bar.close()
-  return collect(outs)
+  return collect(outs), stats

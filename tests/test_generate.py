@@ -21,7 +21,8 @@ def test_greedy_generate_matches_transformers_ragged(tiny_llama, rng):
   path, hf = tiny_llama
   model = Model(*load_hf_checkpoint(path, dtype="float32"))
   prompts = [rng.integers(0, 97, size=n).tolist() for n in (9, 3, 14)]
-  ours = generate(model, prompts, max_new_tokens=12, max_len=40, chunk=8)
+  ours, stats = generate(model, prompts, max_new_tokens=12, max_len=40, chunk=8)
+  assert stats.tokens == 36 and stats.tau == 1.0
   for p, o in zip(prompts, ours):
     assert o == hf_greedy(hf, p, 12)
 
@@ -33,14 +34,16 @@ def test_prompt_longer_than_cache_is_refused(tiny_llama):
 
 
 def test_emit_stops_at_eos_and_budget():
-  ds = DecodeState.init([0, 0, 0], [10, 2, 10], None)
-  ds = DecodeState(ds.pending, ds.num_generated, ds.max_new, ds.done.at[2].set(True), ds.rng)
+  import dataclasses
+  ds = DecodeState.init([[3, 0], [3, 0], [3, 0]], [10, 2, 10], None)
+  ds = dataclasses.replace(ds, done=ds.done.at[2].set(True))
   toks = jnp.array([[5, 7, 9, 4], [5, 6, 8, 1], [1, 2, 3, 4]])
   ds, out, n = emit(ds, toks, jnp.array([4, 4, 4]), eos_ids=(7,))
   np.testing.assert_array_equal(n, [2, 2, 0])  # EOS kept; budget of 2; finished
   np.testing.assert_array_equal(out[0], [5, 7, -1, -1])
   np.testing.assert_array_equal(ds.done, [True, True, True])
   np.testing.assert_array_equal(ds.pending, [7, 6, 0])
+  np.testing.assert_array_equal(ds.prev, [5, 5, 3])
 
 
 def test_sampling_config_rejects_bad_values():

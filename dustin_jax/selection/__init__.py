@@ -1,0 +1,1 @@
+"""Which KV rows the target attends to when it verifies: signals and policies."""

@@ -1,0 +1,164 @@
+"""The speculative step: lossless greedy, distribution-preserving sampling,
+rollback, stop control, draft cache modes."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import save_tiny_checkpoint
+from dustin_jax.cache import KVCache
+from dustin_jax.generate import InputError, Model, generate
+from dustin_jax.sampling import SamplingConfig, probs
+from dustin_jax.spec.engine import generate_speculative, init_state
+from dustin_jax.spec.step import SpecConfig, accept, spec_step
+from dustin_jax.weights import load_hf_checkpoint
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+  """A tiny target and a tiny draft that agree often enough to accept some
+  tokens: the draft is the target with noise added to its weights."""
+  t = tmp_path_factory.mktemp("target")
+  save_tiny_checkpoint(t, "qwen2", seed=11, num_hidden_layers=3)
+  target = Model(*load_hf_checkpoint(str(t), dtype="float32"))
+  return target, noisy_copy(target, 0.3)
+
+
+def noisy_copy(model, scale, seed=0):
+  leaves, tree = jax.tree_util.tree_flatten(model.state)
+  keys = jax.random.split(jax.random.key(seed), len(leaves))
+  noisy = [x + scale * jnp.std(x) * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys)]
+  return Model(model.cfg, model.graphdef, jax.tree_util.tree_unflatten(tree, noisy))
+
+
+def prompts_of(rng, lens):
+  return [rng.integers(0, 97, size=n).tolist() for n in lens]
+
+
+@pytest.mark.parametrize("gamma", [1, 4, 8])
+def test_greedy_speculative_equals_greedy_vanilla(pair, gamma, rng):
+  target, draft = pair
+  prompts = prompts_of(rng, [7, 2, 19])
+  ref, _ = generate(target, prompts, max_new_tokens=20, max_len=64)
+  ours, stats = generate_speculative(target, draft, prompts, max_new_tokens=20, max_len=64,
+                                     cfg=SpecConfig(gamma=gamma))
+  assert ours == ref
+  assert stats.tokens == 60 and 1.0 <= stats.tau <= gamma + 1
+  if gamma > 1:
+    assert stats.accepted > 0, "the noisy draft should agree with the target sometimes"
+
+
+def test_streaming_draft_is_still_lossless(pair, rng):
+  target, draft = pair
+  prompts = prompts_of(rng, [30, 12])
+  ref, _ = generate(target, prompts, max_new_tokens=16, max_len=64)
+  cfg = SpecConfig(gamma=3, draft_kv="streaming", draft_sink=2, draft_window=6)
+  ours, stats = generate_speculative(target, draft, prompts, max_new_tokens=16, max_len=64, cfg=cfg)
+  assert ours == ref
+
+
+def test_self_draft_accepts_everything(pair, rng):
+  target, _ = pair
+  prompts = prompts_of(rng, [5, 9])
+  ours, stats = generate_speculative(target, target, prompts, max_new_tokens=15, max_len=48,
+                                     cfg=SpecConfig(gamma=4))
+  assert stats.acceptance_rate == 1.0 and stats.steps == 3
+
+
+def test_eos_and_max_new_per_sequence(pair, rng):
+  target, draft = pair
+  prompts = prompts_of(rng, [6, 6])
+  ref, _ = generate(target, prompts, max_new_tokens=12, max_len=40)
+  eos = ref[0][4]  # a token the first sequence emits 5th
+  cut = ref[0].index(eos) + 1
+  ours, _ = generate_speculative(target, draft, prompts, max_new_tokens=12, max_len=40,
+                                 cfg=SpecConfig(gamma=3, eos_ids=(eos,)))
+  assert ours[0] == ref[0][:cut]
+  assert eos not in ours[1][:-1]
+  ref1 = ref[1][:ref[1].index(eos) + 1] if eos in ref[1] else ref[1]
+  assert ours[1] == ref1
+
+
+def test_rollback_after_rejections_matches_clean_cache(pair, rng):
+  target, _ = pair
+  draft = noisy_copy(target, 3.0, seed=1)  # a poor draft: rejections are certain
+  prompts = prompts_of(rng, [10, 10])
+  cfg = SpecConfig(gamma=6)
+  st = init_state(target, draft, prompts, max_new_tokens=20, max_len=48, cfg=cfg)
+  st, out = spec_step(target.graphdef, target.state, draft.graphdef, draft.state, st, cfg=cfg)
+  n_acc = np.asarray(out.n_accepted)
+  assert np.any(n_acc < 6), "need a rejection for this test"
+  emitted = [list(np.asarray(out.tokens[i])[:int(out.n_emitted[i])]) for i in range(2)]
+  # next logits from the speculative caches vs a cache built from accepted tokens only
+  from flax import nnx
+  def next_logits(model, cache, tok):
+    m = nnx.merge(model.graphdef, model.state)
+    h, _, _ = m(jnp.asarray(tok)[:, None], cache)
+    return np.asarray(m.logits(h[:, 0]))
+  pending = np.asarray(st.decode.pending)
+  for model, cache in ((target, st.target), (draft, st.draft)):
+    got = next_logits(model, jax.tree_util.tree_map(jnp.copy, cache), pending)
+    for i in range(2):
+      clean_tokens = prompts[i] + emitted[i]
+      c = KVCache.init(model.cfg, 1, 48)
+      m = nnx.merge(model.graphdef, model.state)
+      _, c, _ = m(jnp.asarray([clean_tokens[:-1]]), c)
+      c = c.commit(jnp.asarray([len(clean_tokens) - 1]))
+      assert int(cache.lengths[i]) == len(clean_tokens) - 1
+      want = next_logits(model, c, np.asarray([clean_tokens[-1]]))[0]
+      if model is target:  # the draft's last row may be rewritten next step
+        np.testing.assert_allclose(got[i], want, atol=1e-4)
+
+
+def _first_token_distribution(p_logits, q_logits, sampling, n, gamma=1, seed=0):
+  """Empirical distribution of the first emitted token over n trials."""
+  v = p_logits.shape[-1]
+  keys = jax.random.split(jax.random.key(seed), n)
+  def trial(key):
+    k_draft, k_acc = jax.random.split(key)
+    q = probs(jnp.broadcast_to(q_logits, (1, gamma, v)), sampling)
+    drafts = jax.random.categorical(k_draft, jnp.log(q[0]))[None].astype(jnp.int32)
+    tokens, _ = accept(jnp.broadcast_to(p_logits, (1, gamma + 1, v)), q, drafts, k_acc, sampling)
+    return tokens[0, :2]
+  toks = jax.jit(jax.vmap(trial))(keys)
+  return np.asarray(toks)
+
+
+@pytest.mark.parametrize("sampling", [SamplingConfig(temperature=1.0),
+                                      SamplingConfig(temperature=0.7, top_k=5, top_p=0.9)])
+def test_rejection_sampling_preserves_target_distribution(sampling):
+  rng = np.random.default_rng(1)
+  v, n = 8, 200_000
+  p_logits = jnp.asarray(rng.normal(size=v) * 1.5, jnp.float32)
+  q_logits = jnp.asarray(rng.normal(size=v) * 1.5, jnp.float32)
+  toks = _first_token_distribution(p_logits, q_logits, sampling, n, gamma=2)
+  want = np.asarray(probs(p_logits, sampling))
+  got = np.bincount(toks[:, 0], minlength=v) / n
+  tv = 0.5 * np.abs(got - want).sum()
+  # sampling noise of a TV estimate over 8 bins with 2e5 draws is ~0.003
+  assert tv < 0.01, (tv, got, want)
+  # the draft distribution alone is far from the target: the test can fail
+  q_only = np.asarray(probs(q_logits, sampling))
+  assert 0.5 * np.abs(q_only - want).sum() > 0.1
+
+
+def test_vocab_padding_between_draft_and_target():
+  rng = np.random.default_rng(2)
+  p_logits = jnp.asarray(rng.normal(size=(1, 3, 12)), jnp.float32)  # target: 12 ids
+  q = jax.nn.softmax(jnp.asarray(rng.normal(size=(1, 2, 10)), jnp.float32))  # draft: 10
+  tokens, n_acc = accept(p_logits, q, jnp.array([[1, 2]], jnp.int32), jax.random.key(0),
+                         SamplingConfig(temperature=1.0))
+  assert tokens.shape == (1, 3) and 0 <= int(n_acc[0]) <= 2
+
+
+def test_bad_inputs(pair):
+  target, draft = pair
+  with pytest.raises(ValueError, match="gamma must be >= 1"):
+    SpecConfig(gamma=0)
+  with pytest.raises(InputError, match="at least 2 tokens"):
+    generate_speculative(target, draft, [[5]], max_new_tokens=4, max_len=32)
+  with pytest.raises(InputError, match="max_len is 16"):
+    generate_speculative(target, draft, [[5] * 10], max_new_tokens=4, max_len=16)
