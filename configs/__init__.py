@@ -1,0 +1,1 @@
+"""ml_collections run configurations (`--config=configs/<name>.py`)."""

@@ -1,0 +1,62 @@
+"""Every field a run can set, with its default; the other configs start here.
+
+Unknown keys are refused by ml_collections' config flags, so a misspelled
+`--config.dustin.budgett=512` fails instead of being ignored.
+"""
+
+import ml_collections
+
+
+def model_config(**kw) -> ml_collections.ConfigDict:
+  """Where a model comes from: `asset` (an offline model of
+  dustin_jax.assets), `checkpoint` (a Hugging Face directory, a .gguf file or
+  an orbax directory of dustin_jax.weights.save_params), or `hf_config` (a
+  config.json dict; with random_weights=True, real shapes for benchmarks)."""
+  c = ml_collections.ConfigDict()
+  c.asset = ""
+  c.checkpoint = ""
+  c.hf_config = None
+  c.num_layers = 0          # > 0: keep only the first layers (benchmarks)
+  c.update(kw)
+  return c
+
+
+def base_config() -> ml_collections.ConfigDict:
+  c = ml_collections.ConfigDict()
+  c.target = model_config()
+  c.draft = model_config()
+  c.random_weights = False
+  c.dtype = "bfloat16"            # params and KV caches: bfloat16 | float32
+  c.seed = 0
+
+  c.method = "speculative"        # speculative | vanilla
+  c.gamma = 4
+  c.temperature = 0.0             # 0: greedy
+  c.top_k = 0
+  c.top_p = 1.0
+  c.draft_kv = "full"             # full | streaming (MagicDec: sink + window)
+  c.draft_sink = 16
+  c.draft_window = 496
+
+  c.dustin = ml_collections.ConfigDict()
+  c.dustin.policy = "full"        # full | dustin | dustin_target | dustin_draft | streaming | quest | oracle
+  c.dustin.budget = 512
+  c.dustin.n_sink = 16
+  c.dustin.n_window = 64
+  c.dustin.m = 128
+  c.dustin.srh_file = ""          # JSON from scripts/profile_srh.py; "" = documented default heads
+
+  c.prompt = ""
+  c.prompt_file = ""              # a text file: one prompt
+  c.prompts_jsonl = ""            # one {"prompt": ...} per line: a batch
+  c.chat_template = False
+  c.batch_size = 1                # random-weights runs: that many random prompts
+  c.prompt_len = 128              # random-weights runs: their length
+  c.max_len = 4096
+  c.max_new_tokens = 64
+  c.prefill_chunk = 256
+  c.impl = "auto"                 # attention kernels: auto | reference | gpu | tpu
+  c.time_phases = True            # time draft / verify / commit separately after decoding
+  c.output_json = ""
+  c.progress = True
+  return c
