@@ -133,7 +133,7 @@ def default_tuning(B, nd, S):
   splits = max(1, common.cdiv(target, B * nd))
   chunk = max(1024, common.round_up(common.cdiv(S, splits), block_k))
   chunk = min(chunk, common.round_up(S, block_k))
-  return dict(block_k=block_k, chunk=chunk, block_s=512, num_warps=4,
+  return dict(block_k=block_k, chunk=chunk, block_s=256, num_warps=4,
               num_stages=3)
 
 

@@ -1,0 +1,565 @@
+r"""Benchmark of the verify-attention kernels (one layer, T verify tokens).
+
+Times, in one process and with the copy bandwidth measured in the same run:
+  decode_attention        our full-cache split-K kernel (the baseline)
+  sparse_verify           our gathered attention, per budget K
+  xla_reference           decode_attention's jnp reference under jit
+  jax_pallas_gqa          jax's own Pallas GPU decode attention (1 query);
+  jax_pallas_gqa_T5_packed  same op with the T queries folded into the head
+                          axis (non-causal inside the block: timing only)
+  srh_scores, topk, srh_scores+topk  importance estimation on n SRH heads
+  copy                    jnp copy of a large array (bytes read + written)
+
+Each timed call is one jit holding `inner` independent calls of the kernel
+(different queries / indices / cache copies, so nothing is cached or
+CSE'd); the median over `repeats` of that call, divided by `inner`, is the
+per-kernel time, with block_until_ready.  Writes <out_dir>/<json_name>
+(a list of records) and a PNG plot, and prints a table.
+
+  python -m scripts.bench_attention --out_dir=results/h200
+  python -m scripts.bench_attention --smoke --out_dir=/tmp/b   # CPU, tiny
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+import json
+import math
+import os
+import statistics
+import sys
+import time
+import traceback
+
+from absl import app
+from absl import flags
+
+import numpy as np
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("out_dir", "results/h200", "where JSON and PNG go")
+flags.DEFINE_string("json_name", "attention.json", "JSON file name")
+flags.DEFINE_list("models", ["qwen2.5-7b", "llama3-8b", "qwen2.5-72b"],
+                  "layer shapes to run")
+flags.DEFINE_list("contexts", ["32768", "16384", "8192"], "context lengths")
+flags.DEFINE_list("batches", ["16", "8", "1"], "batch sizes")
+flags.DEFINE_list("budgets", ["256", "512", "1024", "2048"], "sparse budgets K")
+flags.DEFINE_list("kernels", ["decode", "sparse", "xla", "jax_gqa", "srh"],
+                  "which kernels")
+flags.DEFINE_list("budget_shapes", [], "if set, 'ctx:batch' pairs where all "
+                  "budgets run; elsewhere only 512")
+flags.DEFINE_list("srh_models", ["qwen2.5-7b"], "models for the srh estimate")
+flags.DEFINE_integer("T", 5, "verify tokens (gamma + 1)")
+flags.DEFINE_integer("inner", 16, "kernel calls per timed jit call")
+flags.DEFINE_integer("repeats", 10, "timed calls (median)")
+flags.DEFINE_integer("warmup", 2, "untimed calls after compilation")
+flags.DEFINE_bool("ragged", True, "add a ragged-lengths variant at the "
+                  "largest context and batch")
+flags.DEFINE_bool("smoke", False, "tiny shapes, reference impl (CPU test)")
+flags.DEFINE_bool("tune", False, "sweep kernel tuning at 7B, 16 x 32k first")
+flags.DEFINE_float("time_limit_s", 0.0, "stop starting new measurements "
+                   "after this many seconds (0 = no limit)")
+flags.DEFINE_list("merge", [], "only merge these JSON files (plus out_dir's "
+                  "json_name if present) into json_name and plot")
+flags.DEFINE_string("impl", "auto", "impl for our kernels")
+
+MODELS = {  # name: (Hq, Hkv, D)
+    "qwen2.5-7b": (28, 4, 128),
+    "llama3-8b": (32, 8, 128),
+    "qwen2.5-72b": (64, 8, 128),
+    "tiny": (4, 2, 16),
+}
+L2_BYTES = 60 * 2**20
+N_LAYERS_7B = 28
+SRH_HEADS = {  # kv-head layouts of the 4 SRH query heads (7B: G=7)
+    "4q/4kv": lambda G: (0, G, 2 * G, 3 * G),
+    "4q/2kv": lambda G: (0, 1, G, G + 1),
+}
+
+
+def _now():
+  return time.perf_counter()
+
+
+class Bench:
+
+  def __init__(self):
+    import jax
+    import jax.numpy as jnp
+    self.jax, self.jnp = jax, jnp
+    self.records = []
+    self.errors = []
+    self.t0 = _now()
+    self.dtype = jnp.float32 if FLAGS.smoke else jnp.bfloat16
+    self.itemsize = jnp.dtype(self.dtype).itemsize
+    dev = jax.devices()[0]
+    self.device = getattr(dev, "device_kind", str(dev))
+    self.platform = jax.default_backend()
+    self.copy_bw = None
+    self.decode_ms = {}
+
+  # ------------------------------------------------------------ helpers
+  def out_of_time(self):
+    return FLAGS.time_limit_s and _now() - self.t0 > FLAGS.time_limit_s
+
+  def time_calls(self, fn, argsets):
+    """Median ms per kernel call over `argsets` (one jit, len(argsets) calls)."""
+    jax = self.jax
+    f = jax.jit(lambda sets: [fn(*a) for a in sets])
+    jax.block_until_ready(f(argsets))
+    for _ in range(FLAGS.warmup):
+      jax.block_until_ready(f(argsets))
+    ts = []
+    for _ in range(FLAGS.repeats):
+      t = _now()
+      jax.block_until_ready(f(argsets))
+      ts.append(_now() - t)
+    return statistics.median(ts) / len(argsets) * 1e3
+
+  def measure_copy(self):
+    jax, jnp = self.jax, self.jnp
+    n = (2**22 if FLAGS.smoke else 2**30) // 2  # elements of bf16 (2 GiB)
+    x = jax.random.normal(jax.random.PRNGKey(0), (n,), jnp.float32).astype(
+        jnp.bfloat16)
+    ms = self.time_calls(lambda a: jnp.copy(a), [(x,)] * 2)
+    self.copy_bw = 2 * x.nbytes / (ms * 1e-3) / 1e12
+    self.add(kernel="copy", model=None, batch=None, context=None, budget=None,
+             ms=ms, bytes=2 * x.nbytes, bytes_moved=2 * x.nbytes)
+    del x
+
+  def add(self, **rec):
+    rec.setdefault("ragged", False)
+    rec.setdefault("T", FLAGS.T)
+    rec.update(device=self.device, platform=self.platform,
+               jax_version=self.jax.__version__, copy_bw_tbs=self.copy_bw,
+               dtype=str(self.jnp.dtype(self.dtype)))
+    ms = rec["ms"]
+    rec["bw_tbs"] = rec["bytes"] / (ms * 1e-3) / 1e12
+    rec["bw_share"] = rec["bw_tbs"] / self.copy_bw if self.copy_bw else None
+    key = (rec.get("model"), rec.get("batch"), rec.get("context"),
+           rec.get("ragged"))
+    if rec["kernel"] == "decode_attention" and "tune" not in rec:
+      self.decode_ms[key] = ms
+    base = self.decode_ms.get(key)
+    rec["speedup_vs_decode_attention"] = base / ms if base else None
+    self.records.append(rec)
+    self.save()
+    print(f"  {rec['kernel']:<26} {str(rec.get('model')):<12} "
+          f"B={rec.get('batch')} ctx={rec.get('context')} K={rec.get('budget')} "
+          f"{ms:9.4f} ms  bw={rec['bw_share'] if rec['bw_share'] is None else round(rec['bw_share'], 3)}"
+          f"  x{rec['speedup_vs_decode_attention'] and round(rec['speedup_vs_decode_attention'], 2)}",
+          flush=True)
+    return rec
+
+  def save(self):
+    os.makedirs(FLAGS.out_dir, exist_ok=True)
+    with open(os.path.join(FLAGS.out_dir, FLAGS.json_name), "w") as f:
+      json.dump(self.records, f, indent=1, default=str)
+
+  def guard(self, what, fn):
+    if self.out_of_time():
+      return None
+    try:
+      return fn()
+    except Exception as e:  # keep going: one failing config is a record
+      msg = f"{what}: {type(e).__name__}: {str(e)[:300]}"
+      print("  ERROR", msg, flush=True)
+      traceback.print_exc(limit=3)
+      self.errors.append(msg)
+      return None
+
+  # ------------------------------------------------------------ data
+  def make_shape(self, model, B, ctx, ragged=False, seed=0):
+    jax, jnp = self.jax, self.jnp
+    Hq, Hkv, D = MODELS[model]
+    T = FLAGS.T
+    # Headroom past the context; a multiple of 2048 keeps jax's op happy
+    # (its k_splits=16 x block_k=128 must divide S).
+    S = ctx + (8 if FLAGS.smoke else 2048)
+    cache_bytes = 2 * B * Hkv * S * D * self.itemsize
+    n_copies = int(min(FLAGS.inner, max(1, math.ceil(4 * L2_BYTES / cache_bytes))))
+    key = jax.random.PRNGKey(seed)
+    caches = []
+    for c in range(n_copies):
+      kk, kv, key = jax.random.split(key, 3)
+      k = jax.random.normal(kk, (B, Hkv, S, D), self.dtype)
+      v = jax.random.normal(kv, (B, Hkv, S, D), self.dtype)
+      caches.append((k, v))
+    if ragged:
+      rng = np.random.default_rng(seed)
+      lengths = rng.integers(ctx // 8, ctx + 1, size=B).astype(np.int32)
+    else:
+      lengths = np.full((B,), ctx, np.int32)
+    qs = []
+    for i in range(FLAGS.inner):
+      kq, key = jax.random.split(key)
+      qs.append(jax.random.normal(kq, (B, T, Hq, D), self.dtype))
+    return dict(model=model, B=B, ctx=ctx, S=S, Hq=Hq, Hkv=Hkv, D=D, T=T,
+                caches=caches, qs=qs, lengths_np=lengths,
+                lengths=jnp.asarray(lengths), ragged=ragged)
+
+  def make_indices(self, sh, K, seed):
+    rng = np.random.default_rng(seed)
+    B = sh["B"]
+    out = []
+    for i in range(FLAGS.inner):
+      idx = np.full((B, K), -1, np.int32)
+      for b in range(B):
+        L = int(sh["lengths_np"][b])
+        n = min(K, L)
+        idx[b, :n] = np.sort(rng.choice(L, size=n, replace=False))
+      out.append(self.jnp.asarray(idx))
+    return out
+
+  def argsets(self, sh, extra=None):
+    sets = []
+    for i in range(FLAGS.inner):
+      k, v = sh["caches"][i % len(sh["caches"])]
+      a = [sh["qs"][i], k, v, sh["lengths"]]
+      if extra is not None:
+        a.append(extra[i])
+      sets.append(tuple(a))
+    return sets
+
+  def live_kv_bytes(self, sh):
+    rows = np.minimum(sh["lengths_np"] + sh["T"], sh["S"]).sum()
+    return int(2 * rows * sh["Hkv"] * sh["D"] * self.itemsize)
+
+  def qo_bytes(self, sh):
+    return 2 * sh["B"] * sh["T"] * sh["Hq"] * sh["D"] * self.itemsize
+
+  def base(self, sh, **kw):
+    d = dict(model=sh["model"], batch=sh["B"], context=sh["ctx"],
+             ragged=sh["ragged"], Hq=sh["Hq"], Hkv=sh["Hkv"], D=sh["D"],
+             budget=None)
+    d.update(kw)
+    return d
+
+  # ------------------------------------------------------------ kernels
+  def run_decode(self, sh, tune=None, tag=None):
+    from kernels.decode_attention.ops import decode_attention
+    tuning = dict(tune or {})
+    fn = functools.partial(decode_attention, impl=FLAGS.impl, **tuning)
+    ms = self.time_calls(fn, self.argsets(sh))
+    floor = self.live_kv_bytes(sh) + self.qo_bytes(sh)
+    rec = self.base(sh, kernel="decode_attention", ms=ms, bytes=floor,
+                    bytes_moved=floor + self.decode_partial_bytes(sh, tuning),
+                    tuning=tuning)
+    if tag:
+      rec["tune"] = tag
+    return self.add(**rec)
+
+  def decode_partial_bytes(self, sh, tuning):
+    if self.platform != "gpu" or FLAGS.impl not in ("auto", "gpu"):
+      return 0
+    from kernels.decode_attention.gpu import default_tuning
+    t = default_tuning(sh["B"], sh["Hkv"], sh["S"], sh["T"],
+                       sh["Hq"] // sh["Hkv"], sh["D"], self.dtype)
+    t.update({k: v for k, v in tuning.items() if v})
+    chunk = t["chunk"]
+    if math.ceil(sh["S"] / chunk) == 1:
+      return 0
+    live = np.ceil(np.minimum(sh["lengths_np"] + sh["T"], sh["S"]) / chunk)
+    rows = sh["T"] * sh["Hq"]
+    return int(2 * live.sum() * rows * (sh["D"] + 2) * 4)
+
+  def run_sparse(self, sh, K, tune=None, tag=None):
+    from kernels.sparse_verify.ops import sparse_verify
+    tuning = dict(tune or {})
+    idx = self.make_indices(sh, K, seed=K)
+    fn = functools.partial(sparse_verify, impl=FLAGS.impl, **tuning)
+    ms = self.time_calls(fn, self.argsets(sh, idx))
+    n_valid = int((np.asarray(idx[0]) >= 0).sum())
+    rows = n_valid + sh["B"] * sh["T"]
+    floor = (2 * rows * sh["Hkv"] * sh["D"] * self.itemsize + self.qo_bytes(sh)
+             + sh["B"] * K * 4)
+    rec = self.base(sh, kernel="sparse_verify", budget=K, ms=ms, bytes=floor,
+                    bytes_moved=floor, tuning=tuning)
+    if tag:
+      rec["tune"] = tag
+    return self.add(**rec)
+
+  def run_xla(self, sh):
+    from kernels.decode_attention.reference import decode_attention_reference
+    ms = self.time_calls(decode_attention_reference, self.argsets(sh))
+    floor = self.live_kv_bytes(sh) + self.qo_bytes(sh)
+    return self.add(**self.base(sh, kernel="xla_reference", ms=ms,
+                                bytes=floor, bytes_moved=None))
+
+  def run_jax_gqa(self, sh, packed):
+    """jax.experimental.pallas.ops.gpu.decode_attention on head-major K/V."""
+    jax, jnp = self.jax, self.jnp
+    from jax.experimental.pallas.ops.gpu import decode_attention as jda
+    B, Hq, Hkv, D, T = sh["B"], sh["Hq"], sh["Hkv"], sh["D"], sh["T"]
+    G = Hq // Hkv
+    rows = G * T if packed else G
+    params = inspect.signature(jda.decode_attn_unbatched).parameters
+    kw = dict(sm_scale=1 / math.sqrt(D), block_h=16, block_k=128,
+              k_splits=16, num_warps=None, num_stages=2, grid=None,
+              interpret=False, debug=False, return_residuals=False,
+              normalize_output=True)
+    kw = {k: v for k, v in kw.items() if k in params}
+    inner = functools.partial(jda.decode_attn_unbatched, **kw)
+
+    def fn(q, k, v, lengths):
+      # q: [B, T, Hq, D] -> [B, Hkv, rows, D]; rows = G (token 0) or T*G.
+      if packed:
+        qq = q.reshape(B, T, Hkv, G, D).transpose(0, 2, 1, 3, 4)
+        qq = qq.reshape(B, Hkv, T * G, D)
+      else:
+        qq = q[:, 0].reshape(B, Hkv, G, D)
+      seq = jnp.broadcast_to((lengths + T)[:, None], (B, Hkv))
+      start = None
+      return jax.vmap(jax.vmap(inner, in_axes=(0, 0, 0, None, 0)),
+                      in_axes=(0, 0, 0, None, 0))(qq, k, v, start, seq)
+
+    ms = self.time_calls(fn, self.argsets(sh))
+    floor = self.live_kv_bytes(sh) + 2 * B * rows * Hkv * D * self.itemsize
+    name = "jax_pallas_gqa_T5_packed" if packed else "jax_pallas_gqa"
+    return self.add(**self.base(
+        sh, kernel=name, ms=ms, bytes=floor, bytes_moved=None,
+        note=("T queries folded into heads, no causal mask inside the block"
+              if packed else "1 query per head (the op cannot take T>1)")))
+
+  def run_srh(self, sh, layout, budgets):
+    jax, jnp = self.jax, self.jnp
+    from kernels.srh_scores.ops import select_topk, srh_scores, srh_scores_bytes
+    B, T, D, G = sh["B"], sh["T"], sh["D"], sh["Hq"] // sh["Hkv"]
+    kv_head = tuple(h // G for h in SRH_HEADS[layout](G))
+    nq = len(kv_head)
+    key = jax.random.PRNGKey(7)
+    qsets = []
+    for i in range(FLAGS.inner):
+      key, kq = jax.random.split(key)
+      k, _ = sh["caches"][i % len(sh["caches"])]
+      qsets.append((jax.random.normal(kq, (B, T, nq, D), self.dtype), k,
+                    sh["lengths"]))
+    scores_fn = functools.partial(srh_scores, kv_head=kv_head, impl=FLAGS.impl)
+    ms = self.time_calls(lambda q, k, L: scores_fn(q, k, L), qsets)
+    S_live = int(np.minimum(sh["lengths_np"] + T, sh["S"]).max())
+    by = srh_scores_bytes(B, S_live, D, kv_head, T, self.itemsize)
+    note = f"{nq} SRH query heads on {len(set(kv_head))} KV heads {kv_head}"
+    dec = self.decode_ms.get((sh["model"], B, sh["ctx"], sh["ragged"]))
+    self.add(**self.base(sh, kernel="srh_scores", srh_layout=layout, ms=ms,
+                         bytes=by["keys"] + by["scores"],
+                         bytes_moved=by["total"], note=note))
+    for K in budgets:
+      scores = [jax.random.uniform(jax.random.PRNGKey(i), (B, sh["S"]))
+                for i in range(FLAGS.inner)]
+      ms_k = self.time_calls(lambda s: select_topk(s, K),
+                             [(s,) for s in scores])
+      self.add(**self.base(sh, kernel="topk", budget=K, ms=ms_k,
+                           bytes=B * sh["S"] * 4, bytes_moved=None))
+      both = self.time_calls(
+          lambda q, k, L: select_topk(scores_fn(q, k, L), K), qsets)
+      rec = self.base(sh, kernel="srh_scores+topk", budget=K, srh_layout=layout,
+                      ms=both, bytes=by["keys"] + by["scores"],
+                      bytes_moved=by["total"], note=note)
+      if dec:
+        rec["ratio_vs_28x_decode"] = both / (N_LAYERS_7B * dec)
+      self.add(**rec)
+
+  # ------------------------------------------------------------ plans
+  def tune(self):
+    sh = self.make_shape("qwen2.5-7b", 16, 32768)
+    print("== tuning at qwen2.5-7b B=16 ctx=32768", flush=True)
+    self.guard("decode default", lambda: self.run_decode(sh))
+    for bk, chunk, nw, ns in [(64, 2048, 4, 3), (64, 4096, 4, 3),
+                              (64, 1024, 4, 3), (32, 2048, 4, 3),
+                              (128, 2048, 4, 3), (128, 2048, 8, 3),
+                              (64, 2048, 4, 4), (64, 2048, 4, 2),
+                              (64, 4096, 8, 4), (128, 4096, 8, 3),
+                              (32, 2048, 4, 5), (64, 8192, 4, 3)]:
+      t = dict(block_k=bk, chunk=chunk, num_warps=nw, num_stages=ns)
+      self.guard(f"decode {t}", lambda: self.run_decode(sh, t, tag="tune"))
+    for bk, sp, nw, ns in [(64, 1, 4, 3), (64, 2, 4, 3), (64, 3, 4, 3),
+                           (32, 1, 4, 3), (32, 2, 4, 3), (32, 4, 4, 3),
+                           (64, 2, 4, 2), (64, 2, 8, 3), (16, 2, 4, 3),
+                           (64, 4, 4, 3)]:
+      t = dict(block_k=bk, splits=sp, num_warps=nw, num_stages=ns)
+      self.guard(f"sparse {t}", lambda: self.run_sparse(sh, 512, t, tag="tune"))
+    self.guard("sparse default", lambda: self.run_sparse(sh, 512))
+    del sh
+
+  def grid(self):
+    models = FLAGS.models
+    ctxs = [int(c) for c in FLAGS.contexts]
+    batches = [int(b) for b in FLAGS.batches]
+    budgets = [int(k) for k in FLAGS.budgets]
+    full_budget_at = {tuple(int(x) for x in s.split(":"))
+                      for s in FLAGS.budget_shapes}
+    shapes = [(m, c, b) for c in ctxs for b in batches for m in models]
+    # Priority: the largest context and batch first for every model.
+    shapes.sort(key=lambda s: (-(s[1] * s[2]), models.index(s[0])))
+    jobs = [(m, c, b, False) for (m, c, b) in shapes]
+    if FLAGS.ragged and not FLAGS.smoke:
+      for m in models:
+        jobs.insert(len(models) + models.index(m),
+                    (m, max(ctxs), max(batches), True))
+    for model, ctx, B, ragged in jobs:
+      if self.out_of_time():
+        print("time limit reached: stopping", flush=True)
+        break
+      print(f"== {model} B={B} ctx={ctx} ragged={ragged}", flush=True)
+      sh = self.guard("alloc", lambda: self.make_shape(model, B, ctx, ragged))
+      if sh is None:
+        continue
+      ks = FLAGS.kernels
+      if "decode" in ks:
+        self.guard("decode", lambda: self.run_decode(sh))
+      if "sparse" in ks:
+        kset = budgets
+        if full_budget_at and (ctx, B) not in full_budget_at:
+          kset = [k for k in budgets if k == 512] or budgets[:1]
+        if ragged:
+          kset = [k for k in budgets if k == 512] or budgets[:1]
+        for K in kset:
+          self.guard(f"sparse K={K}", lambda: self.run_sparse(sh, K))
+      if "xla" in ks:
+        self.guard("xla", lambda: self.run_xla(sh))
+      if "jax_gqa" in ks and self.platform == "gpu" and not ragged:
+        self.guard("jax_gqa", lambda: self.run_jax_gqa(sh, packed=False))
+        self.guard("jax_gqa_packed", lambda: self.run_jax_gqa(sh, packed=True))
+      if "srh" in ks and model in FLAGS.srh_models and not ragged:
+        for layout in SRH_HEADS:
+          if FLAGS.smoke and layout != "4q/2kv":
+            continue
+          kset = budgets if (ctx == max(ctxs) and B == max(batches)) else [512]
+          if FLAGS.smoke:
+            kset = budgets[:1]
+          self.guard(f"srh {layout}", lambda: self.run_srh(sh, layout, kset))
+      del sh
+
+
+def print_table(records):
+  rows = [r for r in records if r["kernel"] != "copy" and not r.get("tune")]
+  copy = [r for r in records if r["kernel"] == "copy"]
+  if copy:
+    print(f"\ncopy bandwidth: {copy[0]['bw_tbs']:.3f} TB/s  "
+          f"({copy[0]['device']}, jax {copy[0]['jax_version']})")
+  hdr = (f"{'kernel':<26}{'model':<13}{'B':>3}{'ctx':>7}{'K':>6}{'rag':>4}"
+         f"{'ms':>10}{'TB/s':>7}{'bw%':>6}{'x dec':>8}")
+  print(hdr)
+  for r in rows:
+    sp = r.get("speedup_vs_decode_attention")
+    bw = r.get("bw_share")
+    extra = ""
+    if r.get("ratio_vs_28x_decode") is not None:
+      extra = f"  {100 * r['ratio_vs_28x_decode']:.2f}% of 28xdecode"
+    if r.get("srh_layout"):
+      extra += f" [{r['srh_layout']}]"
+    print(f"{r['kernel']:<26}{str(r['model']):<13}{r['batch']:>3}"
+          f"{r['context']:>7}{str(r.get('budget') or '-'):>6}"
+          f"{'y' if r.get('ragged') else '':>4}{r['ms']:>10.4f}"
+          f"{r['bw_tbs']:>7.2f}{(100 * bw if bw else 0):>6.1f}"
+          f"{(sp or 0):>8.2f}{extra}")
+
+
+def plot(records, path):
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  recs = [r for r in records if r["kernel"] != "copy" and not r.get("tune")
+          and not r.get("ragged")]
+  if not recs:
+    return
+  models = sorted({r["model"] for r in recs}, key=str)
+  fig, axes = plt.subplots(1, 3, figsize=(17, 4.8))
+  # (a) full-cache kernels: bandwidth share vs context at the largest batch
+  ax = axes[0]
+  bmax = max(r["batch"] for r in recs)
+  for kern, ls in (("decode_attention", "-"), ("xla_reference", ":"),
+                   ("jax_pallas_gqa", "--")):
+    for m in models:
+      pts = sorted((r["context"], r["bw_share"]) for r in recs
+                   if r["kernel"] == kern and r["model"] == m
+                   and r["batch"] == bmax and r["bw_share"])
+      if pts:
+        ax.plot(*zip(*pts), ls, marker="o", label=f"{kern} {m}")
+  ax.axhline(0.85, color="gray", lw=0.8)
+  ax.set_xscale("log", base=2)
+  ax.set_xlabel("context")
+  ax.set_ylabel("share of copy bandwidth")
+  ax.set_title(f"full-cache verify attention, B={bmax}")
+  ax.legend(fontsize=6)
+  # (b) sparse speedup vs budget at the largest context x batch
+  ax = axes[1]
+  cmax = max(r["context"] for r in recs)
+  for m in models:
+    pts = sorted((r["budget"], r["speedup_vs_decode_attention"]) for r in recs
+                 if r["kernel"] == "sparse_verify" and r["model"] == m
+                 and r["batch"] == bmax and r["context"] == cmax
+                 and r["speedup_vs_decode_attention"])
+    if pts:
+      ax.plot(*zip(*pts), marker="o", label=m)
+  ax.axhline(40, color="gray", lw=0.8)
+  ax.set_xscale("log", base=2)
+  ax.set_xlabel("budget K")
+  ax.set_ylabel("speedup vs decode_attention")
+  ax.set_title(f"sparse_verify, B={bmax}, ctx={cmax}")
+  ax.legend(fontsize=7)
+  # (c) ms of every kernel at the largest shape per model
+  ax = axes[2]
+  labels, vals = [], []
+  for m in models:
+    for r in recs:
+      if (r["model"] == m and r["batch"] == bmax and r["context"] == cmax
+          and r["kernel"] not in ("topk",)
+          and (r.get("budget") in (None, 512))):
+        lab = r["kernel"] + (f" [{r['srh_layout']}]" if r.get("srh_layout") else "")
+        labels.append(f"{m}: {lab}")
+        vals.append(r["ms"])
+  ax.barh(range(len(vals)), vals)
+  ax.set_yticks(range(len(vals)))
+  ax.set_yticklabels(labels, fontsize=6)
+  ax.set_xscale("log")
+  ax.set_xlabel("ms (log)")
+  ax.set_title(f"time per layer call, B={bmax}, ctx={cmax}, K=512")
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
+def main(argv):
+  del argv
+  if FLAGS.smoke:
+    FLAGS.models = ["tiny"]
+    FLAGS.contexts = ["64"]
+    FLAGS.batches = ["2"]
+    FLAGS.budgets = ["8", "16"]
+    FLAGS.srh_models = ["tiny"]
+    FLAGS.inner = 2
+    FLAGS.repeats = 2
+    FLAGS.warmup = 1
+    FLAGS.T = 3
+  json_path = os.path.join(FLAGS.out_dir, FLAGS.json_name)
+  png_path = os.path.splitext(json_path)[0] + ".png"
+  if FLAGS.merge:
+    records = []
+    for p in FLAGS.merge:
+      with open(p) as f:
+        records += json.load(f)
+    os.makedirs(FLAGS.out_dir, exist_ok=True)
+    with open(json_path, "w") as f:
+      json.dump(records, f, indent=1, default=str)
+    print_table(records)
+    plot(records, png_path)
+    return
+  b = Bench()
+  print(f"device {b.device}  jax {b.jax.__version__}", flush=True)
+  b.measure_copy()
+  print(f"copy bandwidth {b.copy_bw:.3f} TB/s", flush=True)
+  if FLAGS.tune:
+    b.tune()
+  b.grid()
+  b.save()
+  print_table(b.records)
+  plot(b.records, png_path)
+  if b.errors:
+    print(f"\n{len(b.errors)} errors:")
+    for e in b.errors:
+      print(" ", e)
+
+
+if __name__ == "__main__":
+  app.run(main)

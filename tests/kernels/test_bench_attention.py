@@ -1,0 +1,35 @@
+"""scripts/bench_attention.py --smoke runs on CPU and writes the JSON schema
+the project's reports read (and a PNG)."""
+import json
+import os
+import subprocess
+import sys
+
+REQUIRED = {"kernel", "model", "batch", "context", "budget", "ms", "bytes",
+            "bw_share", "speedup_vs_decode_attention", "device", "jax_version",
+            "copy_bw_tbs"}
+
+
+def test_bench_smoke(tmp_path):
+  root = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
+  env = dict(os.environ, PYTHONPATH=root, JAX_PLATFORMS="cpu")
+  env.pop("XLA_FLAGS", None)
+  proc = subprocess.run(
+      [sys.executable, "-m", "scripts.bench_attention", "--smoke",
+       f"--out_dir={tmp_path}"], cwd=root, env=env, capture_output=True,
+      text=True, timeout=120)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  recs = json.load(open(tmp_path / "attention.json"))
+  assert (tmp_path / "attention.png").stat().st_size > 1000
+  kernels = {r["kernel"] for r in recs}
+  assert {"copy", "decode_attention", "sparse_verify", "xla_reference",
+          "srh_scores", "topk", "srh_scores+topk"} <= kernels
+  for r in recs:
+    assert REQUIRED <= set(r), REQUIRED - set(r)
+    assert r["ms"] > 0 and r["bytes"] > 0 and r["copy_bw_tbs"] > 0
+  dec = [r for r in recs if r["kernel"] == "decode_attention"]
+  assert dec[0]["speedup_vs_decode_attention"] == 1.0
+  sv = [r for r in recs if r["kernel"] == "sparse_verify"]
+  assert sorted(r["budget"] for r in sv) == [8, 16]
+  assert all(r["bytes"] < dec[0]["bytes"] for r in sv)
+  assert any("ratio_vs_28x_decode" in r for r in recs)
