@@ -35,6 +35,7 @@ import os
 import pathlib
 import shutil
 import tempfile
+import warnings
 from typing import Iterable, Sequence
 
 __all__ = [
@@ -353,7 +354,10 @@ def ensure_model(name: str, cache_dir: str | os.PathLike | None = None, *,
       return final
     digest = sha256_file(final, progress=progress, desc=f"verifying {final.name}")
     if digest == asset.sha256:
-      _write_stamp(final, digest)
+      try:
+        _write_stamp(final, digest)
+      except OSError:  # read-only cache: fine, the file was verified
+        pass
       return final
     # A corrupt cached file: drop it and assemble again below.
     _unlink(_stamp_path(final))
@@ -412,7 +416,11 @@ def load_tokenizer(gguf_path: str | os.PathLike, *, rebuild: bool = False):
   tok = AutoTokenizer.from_pretrained(
       str(gguf_path.parent), gguf_file=gguf_path.name, local_files_only=True
   )
-  tmp_dir = pathlib.Path(tempfile.mkdtemp(prefix=f".{tok_dir.name}.", dir=gguf_path.parent))
+  try:
+    tmp_dir = pathlib.Path(tempfile.mkdtemp(prefix=f".{tok_dir.name}.", dir=gguf_path.parent))
+  except OSError as e:  # read-only location: use the tokenizer uncached
+    warnings.warn(f"cannot cache the tokenizer next to {gguf_path} ({e}); it is rebuilt on every call")
+    return tok
   try:
     tok.save_pretrained(str(tmp_dir))
     (tmp_dir / _TOKENIZER_STAMP).write_text(json.dumps(key) + "\n")
