@@ -149,6 +149,8 @@ def prefill(model: Model, cache: KVCache, prompts: Sequence[Sequence[int]], *,
     raise InputError(f"{len(prompts)} prompts for a batch of {b}")
   bodies = [list(p)[:-1] for p in prompts]
   longest = max((len(p) for p in bodies), default=0)
+  # short prompts: a smaller chunk (a power of two, so few distinct compiles)
+  chunk = min(chunk, max(16, 1 << max(longest - 1, 0).bit_length()))
   n_chunks = -(-longest // chunk)
   bar = _progress(n_chunks, "prefill", progress)
   for c in range(n_chunks):
