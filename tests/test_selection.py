@@ -139,7 +139,7 @@ def test_quest_selects_whole_pages_by_score():
 def test_oracle_needs_the_full_verify_hook():
   o = Oracle(budget=4, num_layers=2)
   c = cache_of([10])
-  with pytest.raises(ValueError, match="full-cache verify pass"):
+  with pytest.raises(ValueError, match="full-cache target pass"):
     o.select(o.init(1, S), c, 3)
   w = np.zeros((1, S))
   w[0, [3, 7, 8, 12]] = [0.5, 0.2, 0.2, 0.9]   # 12 is not committed

@@ -199,3 +199,23 @@ def test_arr_and_oracle_optimality():
     other = jnp.asarray(np.stack([rng.choice(20, 5, replace=False),
                                   rng.choice(7, 5, replace=False)]))
     assert np.all(best_arr >= np.asarray(arr_of_indices(w, other, lengths)[0]) - 1e-6)
+
+
+def test_oracle_indices_and_arr_of_step_outside_a_step(tmp_path):
+  from conftest import save_tiny_checkpoint
+  from dustin_jax.generate import Model, prefill
+  from dustin_jax.selection.arr import arr_of_step, oracle_indices
+  from dustin_jax.weights import load_hf_checkpoint
+  save_tiny_checkpoint(tmp_path, "llama", seed=3, num_hidden_layers=2)
+  target = Model(*load_hf_checkpoint(str(tmp_path), dtype="float32"))
+  rng = np.random.default_rng(6)
+  prompts = [rng.integers(0, 97, size=n).tolist() for n in (17, 11)]
+  cache = prefill(target, KVCache.init(target.cfg, 2, 32), prompts)
+  block = jnp.asarray(rng.integers(0, 97, size=(2, 4)), jnp.int32)
+  idx = oracle_indices(target, cache, block, 6)
+  assert idx.shape == (2, 6) and np.all(np.asarray(idx) < np.asarray(cache.lengths)[:, None])
+  best, per_layer = arr_of_step(target, cache, block, idx)
+  assert per_layer.shape == (2, 2) and np.all(np.asarray(best) < 1)
+  recent = jnp.asarray(np.asarray(cache.lengths)[:, None] - 6 + np.arange(6)[None], jnp.int32)
+  assert np.all(np.asarray(best) >= np.asarray(arr_of_step(target, cache, block, recent)[0]))
+  np.testing.assert_allclose(arr_of_step(target, cache, block, None)[0], 1.0)

@@ -83,6 +83,19 @@ def arr_of_step(target: Model, cache: KVCache, block: jax.Array, kv_indices, *,
   return arr_of_indices(layer_weights(taps, full, impl=impl), kv_indices, cache.lengths)
 
 
+def oracle_indices(target: Model, cache: KVCache, block: jax.Array, budget: int, *,
+                   impl: str = "auto") -> jax.Array:
+  """int32[B, budget]: the Oracle's verification set for `block[B, gamma+1]`
+  verified against `cache` (pre-commit lengths), from outside a step."""
+  from dustin_jax.selection.policies import Oracle
+  oracle = Oracle(budget=budget, num_layers=target.cfg.num_layers, impl=impl)
+  model = nnx.merge(target.graphdef, target.state)
+  _, full, taps = model(block, cache, tap_layers=oracle.full_verify_tap_layers, impl=impl)
+  signals = oracle.observe_full_verify(oracle.init(cache.batch, cache.max_len), taps, full,
+                                       block.shape[1] - 1)
+  return oracle.select(signals, cache, block.shape[1] - 1)
+
+
 def arr_step_fn(target_graphdef, target_params, draft_graphdef, draft_params, st: SpecState,
                 cfg: SpecConfig, verify: str = "full"):
   """The speculative step with ARR measured. Returns (state, StepOutput,

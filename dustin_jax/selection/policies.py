@@ -306,9 +306,9 @@ class Quest:
 
 ORACLE_NEEDS_QUERIES = (
     "the Oracle policy ranks rows by the target's attention at THIS step's verify queries, "
-    "which exist only after an extra full-cache verify pass: run it through "
-    "dustin_jax.selection.arr (arr_step / evaluate_arr), or a step that calls "
-    "policy.observe_full_verify before select (see the report of the selection engineer)")
+    "which exist only after an extra full-cache target pass over the block; the plain "
+    "spec_step has none: run the Oracle through dustin_jax.selection.arr (arr_step / "
+    "evaluate_arr), or a step that calls policy.observe_full_verify before select")
 
 
 @dataclasses.dataclass(frozen=True)
