@@ -29,6 +29,12 @@ def base_config() -> ml_collections.ConfigDict:
   c.dtype = "bfloat16"            # params and KV caches: bfloat16 | float32
   c.seed = 0
 
+  c.mesh = ml_collections.ConfigDict()
+  c.mesh.data = 1                 # data-parallel ways (batch)
+  c.mesh.model = 0                # tensor-parallel ways; 0: all remaining devices
+  c.mesh.distributed = False      # multi-host: call jax.distributed.initialize() first
+  c.mesh.device_memory_gib = 0.0  # 0: ask the device; set it to plan for other hardware
+
   c.method = "speculative"        # speculative | vanilla
   c.gamma = 4
   c.temperature = 0.0             # 0: greedy

@@ -29,12 +29,23 @@ class KVCache:
   lengths: jax.Array
 
   @classmethod
-  def init(cls, cfg: ModelConfig, batch: int, max_len: int,
-           dtype=None) -> "KVCache":
+  def init(cls, cfg: ModelConfig, batch: int, max_len: int, dtype=None,
+           mesh=None) -> "KVCache":
+    """An empty cache; under `mesh`, allocated directly in its shards
+    (batch over "data", KV heads over "model"), never whole on one device."""
     dtype = jnp.dtype(dtype or cfg.dtype)
     shape = (batch, cfg.num_kv_heads, max_len, cfg.head_dim)
-    zeros = lambda: tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers))
-    return cls(k=zeros(), v=zeros(), lengths=jnp.zeros((batch,), jnp.int32))
+    def make():
+      zeros = lambda: tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers))
+      return cls(k=zeros(), v=zeros(), lengths=jnp.zeros((batch,), jnp.int32))
+    if mesh is None:
+      return make()
+    from jax.sharding import NamedSharding
+    from dustin_jax.sharding import batch_spec, cache_spec
+    rows = NamedSharding(mesh, cache_spec(cfg.num_kv_heads, mesh))
+    lens = NamedSharding(mesh, batch_spec(1))
+    out = cls(k=(rows,) * cfg.num_layers, v=(rows,) * cfg.num_layers, lengths=lens)
+    return jax.jit(make, out_shardings=out)()
 
   @property
   def batch(self) -> int:

@@ -119,10 +119,11 @@ class DecodeStats:
 
 
 # ------------------------------------------------------------------ prefill
-@functools.partial(jax.jit, static_argnames=("graphdef", "impl"), donate_argnames=("cache",))
-def _prefill_chunk(graphdef, state, cache: KVCache, tokens, n_valid, impl="auto"):
+@functools.partial(jax.jit, static_argnames=("graphdef", "impl", "mesh"),
+                   donate_argnames=("cache",))
+def _prefill_chunk(graphdef, state, cache: KVCache, tokens, n_valid, impl="auto", mesh=None):
   model = nnx.merge(graphdef, state)
-  _, cache, _ = model(tokens, cache, impl=impl)
+  _, cache, _ = model(tokens, cache, impl=impl, mesh=mesh)
   return cache.commit(n_valid)
 
 
@@ -140,7 +141,8 @@ def check_lengths(prompt_lengths: Sequence[int], max_new_tokens: int, max_len: i
 
 
 def prefill(model: Model, cache: KVCache, prompts: Sequence[Sequence[int]], *,
-            chunk: int = 256, impl: str = "auto", progress: bool = False) -> KVCache:
+            chunk: int = 256, impl: str = "auto", mesh=None,
+            progress: bool = False) -> KVCache:
   """Write `prompt[:-1]` of each (ragged) prompt into an empty cache, in
   chunks of `chunk` tokens so that a long prompt never builds an S x S mask.
   Returns the cache; the last prompt tokens are the pending tokens."""
@@ -160,8 +162,11 @@ def prefill(model: Model, cache: KVCache, prompts: Sequence[Sequence[int]], *,
       part = p[c * chunk:(c + 1) * chunk]
       tok[i, :len(part)] = part
       n_valid[i] = len(part)
-    cache = _prefill_chunk(model.graphdef, model.state, cache, jnp.asarray(tok),
-                           jnp.asarray(n_valid), impl=impl)
+    tok, n_valid = jnp.asarray(tok), jnp.asarray(n_valid)
+    if mesh is not None:
+      from dustin_jax.sharding import shard_batch_tree
+      tok, n_valid = shard_batch_tree((tok, n_valid), mesh)
+    cache = _prefill_chunk(model.graphdef, model.state, cache, tok, n_valid, impl=impl, mesh=mesh)
     bar.update(1)
   bar.close()
   return cache
@@ -173,15 +178,15 @@ def _progress(total: int, desc: str, enabled: bool):
 
 
 # ------------------------------------------------------------- vanilla step
-@functools.partial(jax.jit, static_argnames=("graphdef", "sampling", "eos_ids", "impl"),
+@functools.partial(jax.jit, static_argnames=("graphdef", "sampling", "eos_ids", "impl", "mesh"),
                    donate_argnames=("cache",))
 def vanilla_step(graphdef, state, cache: KVCache, ds: DecodeState, *,
                  sampling: SamplingConfig, eos_ids: tuple[int, ...] = (),
-                 impl: str = "auto"):
+                 impl: str = "auto", mesh=None):
   """One token of plain autoregressive decoding for the whole batch.
   Returns (cache, state, tokens[B, 1] (-1: none), n_emitted[B])."""
   model = nnx.merge(graphdef, state)
-  hidden, cache, _ = model(ds.pending[:, None], cache, impl=impl)
+  hidden, cache, _ = model(ds.pending[:, None], cache, impl=impl, mesh=mesh)
   logits = model.logits(hidden[:, 0])
   rng, key = jax.random.split(ds.rng)
   tok = sample(key, probs(logits, sampling))
@@ -200,15 +205,18 @@ def collect(out_tokens: list[np.ndarray]) -> list[list[int]]:
 def generate(model: Model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
              max_len: int, sampling: SamplingConfig = SamplingConfig(),
              eos_ids: tuple[int, ...] = (), seed: int = 0, chunk: int = 256,
-             impl: str = "auto", progress: bool = False):
+             impl: str = "auto", mesh=None, progress: bool = False):
   """Plain autoregressive decoding of a ragged batch, the baseline.
   Returns (token lists, DecodeStats)."""
   check_lengths([len(p) for p in prompts], max_new_tokens, max_len)
   stats = DecodeStats(gamma=0)
   t0 = time.perf_counter()
-  cache = KVCache.init(model.cfg, len(prompts), max_len)
-  cache = prefill(model, cache, prompts, chunk=chunk, impl=impl, progress=progress)
+  cache = KVCache.init(model.cfg, len(prompts), max_len, mesh=mesh)
+  cache = prefill(model, cache, prompts, chunk=chunk, impl=impl, mesh=mesh, progress=progress)
   ds = DecodeState.init(prompts, max_new_tokens, jax.random.key(seed))
+  if mesh is not None:
+    from dustin_jax.sharding import shard_batch_tree
+    ds = shard_batch_tree(ds, mesh)
   jax.block_until_ready(cache)
   stats.prefill_s = time.perf_counter() - t0
   outs = []
@@ -218,8 +226,8 @@ def generate(model: Model, prompts: Sequence[Sequence[int]], *, max_new_tokens: 
     active = int(np.sum(~np.asarray(ds.done)))
     if not active:
       break
-    cache, ds, out, n = vanilla_step(model.graphdef, model.state, cache, ds,
-                                     sampling=sampling, eos_ids=tuple(eos_ids), impl=impl)
+    cache, ds, out, n = vanilla_step(model.graphdef, model.state, cache, ds, sampling=sampling,
+                                     eos_ids=tuple(eos_ids), impl=impl, mesh=mesh)
     outs.append(np.asarray(out))
     stats.steps += 1
     stats.seq_steps += active

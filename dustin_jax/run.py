@@ -68,20 +68,70 @@ def validate(c) -> None:
          "random prompts)")
 
 
-def load_model(m, c, role: str) -> tuple[Model, str | None]:
-  """(Model, path the tokenizer comes from or None)."""
-  from dustin_jax import weights
-  layers = m.num_layers or None
-  if c.random_weights:
-    cfg = ModelConfig.from_hf(_plain(m.hf_config), dtype=c.dtype, num_layers=layers)
-    graphdef, state = weights.random_params(cfg, seed=c.seed + (role == "draft"))
-    return Model(cfg, graphdef, state), None
-  path = m.checkpoint
+def _checkpoint_path(m, c) -> str:
   if m.asset:
     from dustin_jax.assets import ensure_model
-    path = str(ensure_model(m.asset, progress=c.progress))
-  cfg, graphdef, state = weights.load_checkpoint(path, dtype=c.dtype, num_layers=layers)
+    return str(ensure_model(m.asset, progress=c.progress))
+  return m.checkpoint
+
+
+def model_config(m, c) -> ModelConfig:
+  """The model's config alone (memory planning before any allocation)."""
+  layers = m.num_layers or None
+  if c.random_weights:
+    return ModelConfig.from_hf(_plain(m.hf_config), dtype=c.dtype, num_layers=layers)
+  path = _checkpoint_path(m, c)
+  if path.endswith(".gguf"):
+    from dustin_jax.gguf_file import read_gguf_config
+    return ModelConfig.from_hf(read_gguf_config(path), dtype=c.dtype, num_layers=layers)
+  if os.path.isfile(os.path.join(path, "dustin_config.json")):
+    from dustin_jax.weights import restore_params
+    return restore_params(path)[0]
+  return ModelConfig.from_hf(path, dtype=c.dtype, num_layers=layers)
+
+
+def load_model(m, c, role: str, mesh=None) -> tuple[Model, str | None]:
+  """(Model, path the tokenizer comes from or None), sharded over `mesh`
+  with KV heads replicated where the model axis needs it."""
+  from dustin_jax import sharding, weights
+  layers = m.num_layers or None
+  path = None
+  if c.random_weights:
+    cfg = ModelConfig.from_hf(_plain(m.hf_config), dtype=c.dtype, num_layers=layers)
+    graphdef, state = weights.random_params(cfg, seed=c.seed + (role == "draft"), mesh=mesh)
+  else:
+    path = _checkpoint_path(m, c)
+    cfg, graphdef, state = weights.load_checkpoint(path, dtype=c.dtype, num_layers=layers,
+                                                   mesh=mesh)
+  if mesh is not None:
+    r = sharding.kv_replication(cfg, mesh.shape["model"])
+    if r > 1:
+      cfg, state = sharding.replicate_kv_heads(cfg, state, r)
+      graphdef = weights.abstract_model(cfg)[0]
+      state = sharding.shard_params(state, mesh)
   return Model(cfg, graphdef, state), path
+
+
+def make_mesh(c):
+  """The device mesh of a run (multi-host: initialises jax.distributed)."""
+  import jax
+  from dustin_jax import sharding
+  if c.mesh.distributed:
+    jax.distributed.initialize()
+  return sharding.make_mesh(c.mesh.data, c.mesh.model)
+
+
+def plan_memory(c, mesh, target_cfg, draft_cfg):
+  """Print the per-device memory plan and refuse what cannot fit."""
+  from dustin_jax import sharding
+  cap = int(c.mesh.device_memory_gib * 2**30) or sharding.device_capacity()
+  plan = sharding.memory_plan(target_cfg, draft_cfg, batch=c.batch_size if c.random_weights
+                              else len(prompt_texts(c)), max_len=c.max_len,
+                              data=mesh.shape["data"], model=mesh.shape["model"], gamma=c.gamma,
+                              capacity=cap)
+  print(plan.table(), flush=True)
+  sharding.check_fits(plan)
+  return plan
 
 
 def load_tokenizer(path: str):
@@ -152,10 +202,10 @@ def make_policy(c, target: ModelConfig, draft: ModelConfig | None):
   return policy_from_config(c.dustin, target, draft)
 
 
-def spec_config(c, policy, eos: tuple[int, ...]) -> SpecConfig:
+def spec_config(c, policy, eos: tuple[int, ...], mesh=None) -> SpecConfig:
   return SpecConfig(gamma=c.gamma, sampling=sampling_config(c), eos_ids=eos, policy=policy,
                     draft_kv=c.draft_kv, draft_sink=c.draft_sink, draft_window=c.draft_window,
-                    impl=c.impl)
+                    impl=c.impl, mesh=mesh)
 
 
 def sampling_config(c) -> SamplingConfig:
@@ -166,13 +216,18 @@ def sampling_config(c) -> SamplingConfig:
 
 
 def build(c) -> dict[str, Any]:
-  """Validate, load models and tokenizer, encode prompts."""
+  """Validate, plan memory, load models (sharded) and tokenizer, encode prompts."""
   validate(c)
   sampling_config(c)
-  target, tok_path = load_model(c.target, c, "target")
-  draft = None
-  if c.method == "speculative":
-    draft, _ = load_model(c.draft, c, "draft")
+  from dustin_jax import sharding
+  mesh = make_mesh(c)
+  speculative = c.method == "speculative"
+  batch = c.batch_size if c.random_weights else len(prompt_texts(c))
+  sharding.check_batch(mesh, batch)
+  plan = plan_memory(c, mesh, model_config(c.target, c),
+                     model_config(c.draft, c) if speculative else None)
+  target, tok_path = load_model(c.target, c, "target", mesh)
+  draft = load_model(c.draft, c, "draft", mesh)[0] if speculative else None
   tokenizer = load_tokenizer(tok_path) if tok_path else None
   if tokenizer is not None:
     prompts = encode_prompts(tokenizer, prompt_texts(c), c.chat_template)
@@ -187,4 +242,4 @@ def build(c) -> dict[str, Any]:
   eos = eos_ids(tokenizer, target.cfg)
   policy = make_policy(c, target.cfg, draft.cfg if draft else None)
   return dict(target=target, draft=draft, tokenizer=tokenizer, prompts=prompts, eos=eos,
-              spec=spec_config(c, policy, eos))
+              spec=spec_config(c, policy, eos, mesh), mesh=mesh, memory_plan=plan)

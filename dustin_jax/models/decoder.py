@@ -19,6 +19,27 @@ from dustin_jax.config import ModelConfig, rope_inv_freq
 from kernels.decode_attention.ops import decode_attention
 from kernels.sparse_verify.ops import sparse_verify
 
+
+def attention(q, k_cache, v_cache, lengths, kv_indices, impl, mesh):
+  """Full-cache or index-gathered attention. Under a mesh, the kernel runs
+  per device on its own batch rows and KV heads (`shard_map`), so no KV row
+  ever leaves its device."""
+  def local(q, k, v, lengths, *idx):
+    if idx:
+      return sparse_verify(q, k, v, lengths, idx[0], impl=impl)
+    return decode_attention(q, k, v, lengths, impl=impl)
+  args = (q, k_cache, v_cache, lengths) + (() if kv_indices is None else (kv_indices,))
+  if mesh is None:
+    return local(*args)
+  from dustin_jax import sharding
+  q_spec = sharding.heads_spec(q.shape[2], mesh)
+  kv_spec = sharding.cache_spec(k_cache.shape[1], mesh)
+  if (q_spec[2] is None) != (kv_spec[1] is None):  # heads must stay aligned with their KV head
+    q_spec, kv_spec = sharding.heads_spec(1, mesh), sharding.cache_spec(1, mesh)
+  specs = (q_spec, kv_spec, kv_spec, sharding.batch_spec(1), sharding.batch_spec(2))
+  return jax.shard_map(local, mesh=mesh, in_specs=specs[:len(args)], out_specs=q_spec,
+                       check_vma=False)(*args)
+
 _INIT = nnx.initializers.normal(0.02)
 
 
@@ -74,7 +95,7 @@ class Attention(nnx.Module):
     self.v_proj = Linear(d, cfg.num_kv_heads * hd, bias=cfg.qkv_bias, dtype=dtype, rngs=rngs)
     self.o_proj = Linear(cfg.num_heads * hd, d, bias=cfg.o_bias, dtype=dtype, rngs=rngs)
 
-  def __call__(self, x, cos, sin, k_cache, v_cache, lengths, kv_indices, impl):
+  def __call__(self, x, cos, sin, k_cache, v_cache, lengths, kv_indices, impl, mesh):
     b, t, _ = x.shape
     q = self.q_proj(x).reshape(b, t, self.num_heads, self.head_dim)
     k = self.k_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
@@ -82,10 +103,7 @@ class Attention(nnx.Module):
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     k_cache = write_rows(k_cache, k, lengths)
     v_cache = write_rows(v_cache, v, lengths)
-    if kv_indices is None:
-      out = decode_attention(q, k_cache, v_cache, lengths, impl=impl)
-    else:
-      out = sparse_verify(q, k_cache, v_cache, lengths, kv_indices, impl=impl)
+    out = attention(q, k_cache, v_cache, lengths, kv_indices, impl, mesh)
     out = self.o_proj(out.reshape(b, t, self.num_heads * self.head_dim))
     return out, k_cache, v_cache, q
 
@@ -110,9 +128,9 @@ class Block(nnx.Module):
     self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
     self.mlp = MLP(cfg, dtype, rngs)
 
-  def __call__(self, x, cos, sin, k_cache, v_cache, lengths, kv_indices, impl):
+  def __call__(self, x, cos, sin, k_cache, v_cache, lengths, kv_indices, impl, mesh):
     h, k_cache, v_cache, q = self.self_attn(
-        self.input_layernorm(x), cos, sin, k_cache, v_cache, lengths, kv_indices, impl)
+        self.input_layernorm(x), cos, sin, k_cache, v_cache, lengths, kv_indices, impl, mesh)
     x = x + h
     x = x + self.mlp(self.post_attention_layernorm(x))
     return x, k_cache, v_cache, q
@@ -132,12 +150,13 @@ class Decoder(nnx.Module):
 
   def __call__(self, tokens: jax.Array, cache: KVCache, *,
                kv_indices: jax.Array | None = None, tap_layers=(),
-               impl: str = "auto"):
+               impl: str = "auto", mesh=None):
     """Run `tokens[B, T]` at positions `cache.lengths[b] + t`.
 
     Writes their K/V into the cache (lengths unchanged: commit separately).
     `kv_indices[B, K]`: attend only to those context rows plus the new block
-    (None: the full cache). Returns (hidden [B, T, d] after the final norm,
+    (None: the full cache). `mesh`: run attention per device (sharded step).
+    Returns (hidden [B, T, d] after the final norm,
     cache, {layer: queries [B, T, Hq, D] after rope} for `tap_layers`).
     """
     t = tokens.shape[1]
@@ -147,7 +166,7 @@ class Decoder(nnx.Module):
     taps = {}
     for i, layer in enumerate(self.layers):
       x, k, v, q = layer(x, cos, sin, cache.k[i], cache.v[i], cache.lengths,
-                         kv_indices, impl)
+                         kv_indices, impl, mesh)
       cache = cache.with_layer(i, k, v)
       if i in tap_layers:
         taps[i] = q

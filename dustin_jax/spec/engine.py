@@ -32,13 +32,16 @@ def init_state(target: Model, draft: Model, prompts, *, max_new_tokens, max_len,
   if min(len(p) for p in prompts) < 2:
     raise InputError("speculative decoding needs prompts of at least 2 tokens")
   check_lengths([len(p) for p in prompts], max_new_tokens, max_len, block=cfg.gamma + 1)
-  b = len(prompts)
-  tc = prefill(target, KVCache.init(target.cfg, b, max_len), prompts, chunk=chunk,
-               impl=cfg.impl, progress=progress)
-  dc = prefill(draft, KVCache.init(draft.cfg, b, max_len), prompts, chunk=chunk,
-               impl=cfg.impl, progress=progress)
-  ds = DecodeState.init(prompts, max_new_tokens, jax.random.key(seed))
-  return SpecState(tc, dc, ds, cfg.policy.init(b, max_len))
+  b, mesh = len(prompts), cfg.mesh
+  kw = dict(chunk=chunk, impl=cfg.impl, mesh=mesh, progress=progress)
+  tc = prefill(target, KVCache.init(target.cfg, b, max_len, mesh=mesh), prompts, **kw)
+  dc = prefill(draft, KVCache.init(draft.cfg, b, max_len, mesh=mesh), prompts, **kw)
+  rest = (DecodeState.init(prompts, max_new_tokens, jax.random.key(seed)),
+          cfg.policy.init(b, max_len))
+  if mesh is not None:
+    from dustin_jax.sharding import shard_batch_tree
+    rest = shard_batch_tree(rest, mesh)
+  return SpecState(tc, dc, *rest)
 
 
 def generate_speculative(target: Model, draft: Model, prompts: Sequence[Sequence[int]], *,

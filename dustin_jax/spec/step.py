@@ -42,6 +42,7 @@ class SpecConfig:
   draft_sink: int = 16
   draft_window: int = 496
   impl: str = "auto"              # attention kernels: auto | reference | gpu | tpu
+  mesh: Any = None                # a jax.sharding.Mesh: attention runs per device
 
   def __post_init__(self):
     if self.gamma < 1:
@@ -85,7 +86,8 @@ def draft_phase(graphdef, params, cache: KVCache, ds: DecodeState, signals, cfg:
     kv = (sink_window_indices(at, cfg.draft_sink, cfg.draft_window)
           if cfg.draft_kv == "streaming" else None)
     hidden, c, taps = model(tokens, c.with_lengths(at), kv_indices=kv,
-                            tap_layers=policy.draft_tap_layers, impl=cfg.impl)
+                            tap_layers=policy.draft_tap_layers, impl=cfg.impl,
+                            mesh=cfg.mesh)
     return model.logits(hidden[:, -1]), taps, c
 
   def pick(logits, key):
@@ -124,7 +126,8 @@ def verify_phase(graphdef, params, cache: KVCache, ds: DecodeState, drafts, kv_i
   model = nnx.merge(graphdef, params)
   block = jnp.concatenate([ds.pending[:, None], drafts], axis=1)
   hidden, cache, taps = model(block, cache, kv_indices=kv_indices,
-                              tap_layers=cfg.policy.target_tap_layers, impl=cfg.impl)
+                              tap_layers=cfg.policy.target_tap_layers, impl=cfg.impl,
+                              mesh=cfg.mesh)
   signals = cfg.policy.observe_target(signals, taps, cache, cfg.gamma)
   return model.logits(hidden), cache, signals
 

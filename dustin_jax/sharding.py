@@ -1,0 +1,269 @@
+"""Sharding: one table from logical axes to mesh axes, used by everything.
+
+Mesh axes are `("data", "model")`: batch is data-parallel, heads / KV heads /
+MLP / vocab are tensor-parallel. The KV cache `[B, Hkv, S, D]` is split over
+batch and KV heads only, so every attention kernel runs on local rows (under
+`shard_map`) and the full cache is never gathered.
+
+When the model axis is larger than the number of KV heads, each KV head is
+replicated `model // Hkv` times (the projection columns and the cache rows):
+the KV cache then costs that factor more memory per head, but every device
+owns whole heads. `replicate_kv_heads` does it once, at load time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from dustin_jax.config import ConfigError, ModelConfig
+
+# logical axis -> mesh axis (None: replicated)
+RULES = {
+    "batch": "data",
+    "heads": "model",
+    "kv_heads": "model",
+    "mlp": "model",
+    "vocab": "model",
+    "embed": None,
+    "head_dim": None,
+    "cache_len": None,
+    "draft_tokens": None,
+}
+
+# parameter name (last two path parts) -> logical axes of its array
+_PARAM_AXES = {
+    ("q_proj", "kernel"): ("embed", "heads"), ("q_proj", "bias"): ("heads",),
+    ("k_proj", "kernel"): ("embed", "kv_heads"), ("k_proj", "bias"): ("kv_heads",),
+    ("v_proj", "kernel"): ("embed", "kv_heads"), ("v_proj", "bias"): ("kv_heads",),
+    ("o_proj", "kernel"): ("heads", "embed"), ("o_proj", "bias"): ("embed",),
+    ("gate_proj", "kernel"): ("embed", "mlp"), ("up_proj", "kernel"): ("embed", "mlp"),
+    ("down_proj", "kernel"): ("mlp", "embed"),
+    ("lm_head", "kernel"): ("embed", "vocab"),
+}
+
+
+def spec(*logical: str | None) -> P:
+  """PartitionSpec of an array whose dimensions have these logical axes."""
+  return P(*(RULES.get(a) if a else None for a in logical))
+
+
+def param_axes(path: tuple) -> tuple:
+  names = tuple(str(p) for p in path)
+  if names == ("embed_tokens",):
+    return ("vocab", "embed")
+  return _PARAM_AXES.get(names[-2:], (None,))  # norms: replicated
+
+
+def make_mesh(data: int = 1, model: int = 0, devices: Sequence | None = None) -> Mesh:
+  """A ("data", "model") mesh over `devices` (default: all); 0 = the rest."""
+  devices = list(devices if devices is not None else jax.devices())
+  n = len(devices)
+  if model <= 0 and data <= 0:
+    data, model = 1, n
+  elif model <= 0:
+    model = n // data
+  elif data <= 0:
+    data = n // model
+  if data * model != n:
+    raise ConfigError(f"mesh {data}x{model} (data x model) does not cover the {n} devices")
+  return Mesh(np.array(devices).reshape(data, model), ("data", "model"))
+
+
+def check_batch(mesh: Mesh, batch: int) -> None:
+  d = mesh.shape["data"]
+  if batch % d:
+    raise ConfigError(f"batch_size {batch} is not a multiple of the mesh's data axis {d}")
+
+
+def kv_replication(cfg: ModelConfig, model: int) -> int:
+  """Copies of each KV head so that a model axis larger than the number of
+  KV heads still gives every device whole heads (1: none needed or possible,
+  e.g. when the query heads do not divide over the axis either)."""
+  if model > cfg.num_kv_heads and model % cfg.num_kv_heads == 0 and cfg.num_heads % model == 0:
+    return model // cfg.num_kv_heads
+  return 1
+
+
+def _on(size: int, mesh_axis: str | None, mesh: Mesh):
+  """Shard a dimension over `mesh_axis` only if it divides evenly; else
+  replicate it (XLA keeps the math right either way)."""
+  return mesh_axis if mesh_axis and size % mesh.shape[mesh_axis] == 0 else None
+
+
+def replicate_kv_heads(cfg: ModelConfig, state, r: int):
+  """Repeat each KV head r times (k/v projection columns): query head h still
+  reads a copy of KV head h // group_size. Returns (cfg, state)."""
+  if r == 1:
+    return cfg, state
+  from flax import nnx
+  from dustin_jax.weights import _leaves_with_paths
+  hd = cfg.head_dim
+  pure = nnx.to_pure_dict(state)
+  leaves = []
+  for path, x in _leaves_with_paths(pure):
+    if tuple(map(str, path[-2:])) in {("k_proj", "kernel"), ("v_proj", "kernel"),
+                                       ("k_proj", "bias"), ("v_proj", "bias")}:
+      lead = x.shape[:-1]
+      x = jnp.repeat(x.reshape(lead + (cfg.num_kv_heads, hd)), r, axis=-2)
+      x = x.reshape(lead + (cfg.num_kv_heads * r * hd,))
+    leaves.append(x)
+  new_cfg = cfg.replace(num_kv_heads=cfg.num_kv_heads * r)
+  from dustin_jax.weights import abstract_model
+  _, abstract = abstract_model(new_cfg)
+  pure = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(pure), leaves)
+  nnx.replace_by_pure_dict(abstract, pure)
+  return new_cfg, abstract
+
+
+def param_shardings(state, mesh: Mesh):
+  """A pytree of NamedShardings matching an nnx State of the decoder."""
+  from flax import nnx
+  from dustin_jax.weights import _leaves_with_paths
+  pure = nnx.to_pure_dict(state)
+  def one(path, x):
+    axes = param_axes(path)
+    if len(axes) != np.ndim(x):
+      return NamedSharding(mesh, P())
+    return NamedSharding(mesh, P(*(_on(n, RULES.get(a) if a else None, mesh)
+                                   for n, a in zip(np.shape(x), axes))))
+  shardings = [one(path, x) for path, x in _leaves_with_paths(pure)]
+  tree = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(pure), shardings)
+  out = jax.tree_util.tree_map(lambda x: x, state)  # same structure as state
+  nnx.replace_by_pure_dict(out, tree)
+  return out
+
+
+def shard_params(state, mesh: Mesh):
+  return jax.device_put(state, param_shardings(state, mesh))
+
+
+def cache_spec(num_kv_heads: int | None = None, mesh: Mesh | None = None) -> P:
+  """[B, Hkv, S, D]: batch over data, KV heads over model when they divide."""
+  heads = RULES["kv_heads"] if mesh is None else _on(num_kv_heads, RULES["kv_heads"], mesh)
+  return P(RULES["batch"], heads, None, None)
+
+
+def heads_spec(num_heads: int, mesh: Mesh) -> P:
+  """[B, T, H, D] activations of the attention: like the cache."""
+  return P(RULES["batch"], None, _on(num_heads, RULES["heads"], mesh), None)
+
+
+def batch_spec(ndim: int = 1) -> P:
+  return spec("batch", *([None] * (ndim - 1)))
+
+
+def shard_batch_tree(tree, mesh: Mesh):
+  """Caches: [B, Hkv, S, D] split over batch and KV heads; every other array
+  with a leading batch axis split over batch; scalars and keys replicated."""
+  def place(x):
+    if not hasattr(x, "ndim") or x.ndim == 0 or jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+      return jax.device_put(x, NamedSharding(mesh, P()))
+    if x.ndim == 4:
+      return jax.device_put(x, NamedSharding(mesh, cache_spec(x.shape[1], mesh)))
+    return jax.device_put(x, NamedSharding(mesh, batch_spec(x.ndim)))
+  return jax.tree_util.tree_map(place, tree)
+
+
+# --------------------------------------------------------- memory planning
+@dataclasses.dataclass(frozen=True)
+class MemoryPlan:
+  """Bytes per device of one speculative-decoding configuration."""
+  devices: int
+  data: int
+  model: int
+  weights: int
+  target_cache: int
+  draft_cache: int
+  workspace: int
+  kv_replication: int
+  capacity: int | None = None
+
+  @property
+  def total(self) -> int:
+    return self.weights + self.target_cache + self.draft_cache + self.workspace
+
+  def fits(self) -> bool:
+    return self.capacity is None or self.total <= self.capacity
+
+  def table(self) -> str:
+    gib = lambda b: f"{b / 2**30:8.2f} GiB"
+    rows = [("weights (target + draft)", self.weights), ("target KV cache", self.target_cache),
+            ("draft KV cache", self.draft_cache), ("workspace", self.workspace),
+            ("total", self.total)]
+    head = (f"memory per device, {self.devices} devices (data {self.data} x model {self.model})"
+            + (f", KV heads replicated x{self.kv_replication}" if self.kv_replication > 1 else ""))
+    lines = [head] + [f"  {name:26s}{gib(b)}" for name, b in rows]
+    if self.capacity is not None:
+      lines.append(f"  {'capacity':26s}{gib(self.capacity)}")
+    return "\n".join(lines)
+
+
+def _shards(n: int, m: int) -> int:
+  return m if n % m == 0 else 1
+
+
+def memory_plan(target: ModelConfig, draft: ModelConfig | None, *, batch: int, max_len: int,
+                data: int, model: int, gamma: int = 4, capacity: int | None = None) -> MemoryPlan:
+  """Per-device bytes, counted from the shapes alone (before any allocation).
+
+  Weights: tensor-parallel matrices split over `model`, norms replicated;
+  caches: split over `data` (batch) and `model` (KV heads, after replication);
+  workspace: the verify pass's f32 logits, the activations of the widest
+  layer and the selection signals -- a lower bound that excludes XLA's own
+  temporary buffers (leave headroom)."""
+  def weights(cfg: ModelConfig) -> int:
+    el = jnp.dtype(cfg.dtype).itemsize
+    d, hd, f, v = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size, cfg.vocab_size
+    kv = cfg.num_kv_heads * kv_replication(cfg, model)
+    q, k = cfg.num_heads * hd, kv * hd  # columns, split like param_shardings does
+    per_layer = (2 * d * q // _shards(q, model) + 2 * d * k // _shards(k, model)
+                 + 3 * d * f // _shards(f, model) + 2 * d)
+    if cfg.qkv_bias:
+      per_layer += q // _shards(q, model) + 2 * k // _shards(k, model)
+    emb = v * d // _shards(v, model) * (1 if cfg.tie_embeddings else 2)
+    return (cfg.num_layers * per_layer + emb + d) * el
+
+  def cache(cfg: ModelConfig) -> int:
+    el = jnp.dtype(cfg.dtype).itemsize
+    kv = cfg.num_kv_heads * kv_replication(cfg, model)
+    return (2 * cfg.num_layers * (batch // data) * (kv // _shards(kv, model)) * max_len
+            * cfg.head_dim * el)
+
+  models = [target] + ([draft] if draft is not None else [])
+  b = batch // data
+  t = gamma + 1
+  logits = 4 * b * t * max(c.vocab_size for c in models) * 2  # target + draft distributions
+  acts = 4 * b * t * max(max(c.intermediate_size, c.num_heads * c.head_dim) for c in models) * 4
+  signals = 2 * 4 * b * max_len
+  return MemoryPlan(devices=data * model, data=data, model=model,
+                    weights=sum(weights(c) for c in models),
+                    target_cache=cache(target), draft_cache=cache(draft) if draft else 0,
+                    workspace=logits + acts + signals, kv_replication=kv_replication(target, model),
+                    capacity=capacity)
+
+
+def check_fits(plan: MemoryPlan) -> None:
+  if plan.fits():
+    return
+  raise ConfigError(
+      "this configuration does not fit: " + f"{plan.total / 2**30:.1f} GiB per device needed, "
+      f"{plan.capacity / 2**30:.1f} GiB available.\n{plan.table()}\n"
+      "fix: more devices (mesh.model / mesh.data), a smaller batch_size, or a shorter max_len")
+
+
+def device_capacity() -> int | None:
+  """Bytes an accelerator can hold (None on CPU or when unknown)."""
+  d = jax.devices()[0]
+  if d.platform == "cpu":
+    return None
+  try:
+    return int(d.memory_stats()["bytes_limit"])
+  except Exception:  # noqa: BLE001 -- some backends have no memory stats
+    return None
+

@@ -1,0 +1,119 @@
+"""The sharded step on 8 simulated CPU devices equals the unsharded one."""
+
+import jax
+import numpy as np
+import pytest
+
+from conftest import save_tiny_checkpoint
+from dustin_jax import sharding
+from dustin_jax.config import ConfigError, ModelConfig
+from dustin_jax.generate import Model, generate
+from dustin_jax.spec.engine import generate_speculative
+from dustin_jax.spec.step import SpecConfig
+from dustin_jax.weights import load_hf_checkpoint
+
+pytestmark = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 (simulated) devices")
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+  t, d = tmp_path_factory.mktemp("t"), tmp_path_factory.mktemp("d")
+  # 8 query heads, 2 KV heads: a model axis of 4 or 8 replicates the KV heads
+  save_tiny_checkpoint(t, "qwen2", seed=21, num_attention_heads=8, num_key_value_heads=2,
+                       hidden_size=64, intermediate_size=128, vocab_size=96)
+  save_tiny_checkpoint(d, "qwen2", seed=22, num_hidden_layers=2, num_attention_heads=8,
+                       num_key_value_heads=2, hidden_size=64, intermediate_size=128, vocab_size=96)
+  return (Model(*load_hf_checkpoint(str(t), dtype="float32")),
+          Model(*load_hf_checkpoint(str(d), dtype="float32")))
+
+
+def shard(model: Model, mesh) -> Model:
+  cfg, state = sharding.replicate_kv_heads(model.cfg, model.state,
+                                           sharding.kv_replication(model.cfg, mesh.shape["model"]))
+  from dustin_jax.weights import abstract_model
+  graphdef, _ = abstract_model(cfg)
+  return Model(cfg, graphdef, sharding.shard_params(state, mesh))
+
+
+@pytest.mark.parametrize("data,model", [(1, 8), (2, 4), (8, 1)])
+def test_sharded_speculative_equals_unsharded(models, data, model, rng):
+  target, draft = models
+  prompts = [rng.integers(0, 96, size=n).tolist() for n in (9, 4, 13, 6, 7, 11, 5, 8)]
+  ref, _ = generate_speculative(target, draft, prompts, max_new_tokens=10, max_len=48,
+                                cfg=SpecConfig(gamma=3))
+  mesh = sharding.make_mesh(data, model)
+  t, d = shard(target, mesh), shard(draft, mesh)
+  q = t.state["layers"][0]["self_attn"]["q_proj"]["kernel"][...]
+  assert q.sharding.spec == jax.sharding.PartitionSpec(None, "model")
+  ours, _ = generate_speculative(t, d, prompts, max_new_tokens=10, max_len=48,
+                                 cfg=SpecConfig(gamma=3, mesh=mesh))
+  assert ours == ref
+
+
+def test_sharded_vanilla_equals_unsharded(models, rng):
+  target, _ = models
+  prompts = [rng.integers(0, 96, size=n).tolist() for n in (3, 9)]
+  ref, _ = generate(target, prompts, max_new_tokens=6, max_len=32)
+  mesh = sharding.make_mesh(2, 4)
+  ours, _ = generate(shard(target, mesh), prompts, max_new_tokens=6, max_len=32, mesh=mesh)
+  assert ours == ref
+
+
+def test_replicated_kv_heads_keep_the_function(models, rng):
+  target, _ = models
+  cfg, state = sharding.replicate_kv_heads(target.cfg, target.state, 4)
+  assert cfg.num_kv_heads == 8
+  from dustin_jax.weights import abstract_model
+  prompts = [rng.integers(0, 96, size=7).tolist()]
+  a, _ = generate(target, prompts, max_new_tokens=5, max_len=16)
+  b, _ = generate(Model(cfg, abstract_model(cfg)[0], state), prompts, max_new_tokens=5, max_len=16)
+  assert a == b
+
+
+def test_mesh_must_cover_devices():
+  with pytest.raises(ConfigError, match="does not cover"):
+    sharding.make_mesh(3, 2)
+
+
+def test_memory_plan_72b_hand_computed():
+  from configs import shapes
+  t = ModelConfig.from_hf(dict(shapes.QWEN25_72B), dtype="bfloat16")
+  d = ModelConfig.from_hf(dict(shapes.QWEN25_05B), dtype="bfloat16")
+  gib = 2**30
+  # Qwen2.5-72B on 4 devices, tensor-parallel: per layer q/o 2*8192*8192, k/v 2*8192*1024,
+  # MLP 3*8192*29568 split 4 ways; biases 8192 + 2*1024 split; 2 norms of 8192 replicated
+  layer = (2 * 8192 * 8192 + 2 * 8192 * 1024 + 3 * 8192 * 29568 + 8192 + 2048) // 4 + 2 * 8192
+  target_w = (80 * layer + 2 * 152064 * 8192 // 4 + 8192) * 2
+  # Qwen2.5-0.5B (14 q heads, 2 KV heads, tied): its columns split 4 ways too
+  dlayer = (2 * 896 * 896 + 2 * 896 * 128 + 3 * 896 * 4864 + 896 + 256) // 4 + 2 * 896
+  draft_w = (24 * dlayer + 151936 * 896 // 4 + 896) * 2
+  plan4 = sharding.memory_plan(t, d, batch=16, max_len=32768, data=1, model=4)
+  assert plan4.weights == target_w + draft_w
+  # 32k x 16: 2 (k, v) * 80 layers * 16 * (8 KV heads / 4) * 32768 * 128 * 2 bytes = 40 GiB
+  assert plan4.target_cache == 40 * gib
+  # the draft's 2 KV heads cannot split 4 ways (14 q heads): its cache is whole on each device
+  assert plan4.draft_cache == 2 * 24 * 16 * 2 * 32768 * 64 * 2 == 6 * gib
+  plan8 = sharding.memory_plan(t, d, batch=16, max_len=32768, data=1, model=8)
+  assert plan8.target_cache == 20 * gib
+  assert plan8.total < plan4.total < 141e9
+  # the whole model on one H200 cannot fit: a clear refusal naming the fix
+  plan1 = sharding.memory_plan(t, d, batch=16, max_len=32768, data=1, model=1, capacity=141 * 10**9)
+  with pytest.raises(ConfigError, match="more devices"):
+    sharding.check_fits(plan1)
+
+
+def test_cli_72b_shape_reduced_layers_runs_a_step_on_8_devices(tmp_path, capsys):
+  """The 72B layer shapes, one layer each, on 8 simulated devices (1 x 8 mesh)."""
+  import json
+  from configs import qwen72b
+  from scripts.decode import run
+  c = qwen72b.get_config()
+  c.target.num_layers = 1
+  c.draft.num_layers = 1
+  c.batch_size, c.prompt_len, c.max_len, c.max_new_tokens = 8, 32, 128, 4
+  c.progress, c.time_phases = False, False
+  c.dustin.policy = "full"
+  r = run(c)
+  assert r["mesh"] == {"data": 1, "model": 8}
+  assert r["stats"]["steps"] >= 1 and all(len(s["tokens"]) == 4 for s in r["sequences"])
+  assert "memory per device, 8 devices (data 1 x model 8)" in capsys.readouterr().out
