@@ -124,7 +124,7 @@ def arr_step_fn(target_graphdef, target_params, draft_graphdef, draft_params, st
   rng, key = jax.random.split(rng)
   tokens, n_acc = accept(logits, q, drafts, key, cfg.sampling)
   ds = dataclasses.replace(ds, rng=rng)
-  new, out, n, active = commit_phase(st, target_cache, draft_cache, ds, tokens, n_acc,
+  new, out, n, active = commit_phase(target_cache, draft_cache, ds, tokens, n_acc,
                                      signals, cfg)
   return (new, StepOutput(out, n, jnp.where(active, n_acc, 0), active, kv_indices),
           arr, per_layer)
