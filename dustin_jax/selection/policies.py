@@ -40,7 +40,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
-import jax
 import jax.numpy as jnp
 
 from dustin_jax.config import ConfigError, ModelConfig

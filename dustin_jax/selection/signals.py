@@ -17,7 +17,6 @@ the kernel applies across heads and queries ("sum" or "max").
 
 from __future__ import annotations
 
-import functools
 from typing import Mapping
 
 import jax
