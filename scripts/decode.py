@@ -28,7 +28,7 @@ def run(c) -> dict:
   from dustin_jax import run as runlib
   from dustin_jax.generate import generate
   from dustin_jax.spec.engine import generate_speculative, init_state
-  from dustin_jax.spec.phases import time_phases
+  from dustin_jax.spec.phases import time_phases_donated
 
   t0 = time.perf_counter()
   b = runlib.build(c)
@@ -45,7 +45,7 @@ def run(c) -> dict:
   if c.time_phases and c.method == "speculative":
     st = init_state(target, draft, b["prompts"], cfg=spec, max_new_tokens=c.max_new_tokens,
                     max_len=c.max_len, seed=c.seed, chunk=c.prefill_chunk)
-    phases = time_phases(target, draft, st, spec, repeats=3)
+    phases, _ = time_phases_donated(target, draft, st, spec, repeats=3)
   result = {
       "method": c.method, "policy": c.dustin.policy, "gamma": c.gamma,
       "device": str(jax.devices()[0].device_kind), "load_s": load_s,

@@ -28,6 +28,8 @@ def attention(q, k_cache, v_cache, lengths, kv_indices, impl, mesh):
     if idx:
       return sparse_verify(q, k, v, lengths, idx[0], impl=impl)
     return decode_attention(q, k, v, lengths, impl=impl)
+  if impl == "auto" and q.shape[1] > 16:
+    impl = "reference"  # the Pallas kernels serve short verify blocks; prefill chunks use XLA
   args = (q, k_cache, v_cache, lengths) + (() if kv_indices is None else (kv_indices,))
   if mesh is None:
     return local(*args)

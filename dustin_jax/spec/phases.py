@@ -1,9 +1,10 @@
 """Per-phase timing of the speculative step.
 
 The real step is one fused program, which has no phase boundaries to time.
-Here each phase is jitted on its own and timed on warm, compiled code with
-`block_until_ready`; the phase sum is close to, and usually above, the fused
-step time (fusion and overlap are lost at the boundaries).
+Here each phase is jitted on its own (caches donated, as in the fused step,
+so no KV cache is ever copied) and the phases run in sequence, each timed
+with `block_until_ready`. Their sum is close to, and usually above, the
+fused step time: fusion and overlap are lost at the boundaries.
 """
 
 from __future__ import annotations
@@ -15,14 +16,14 @@ import time
 import jax
 
 from dustin_jax.spec.step import (SpecConfig, SpecState, accept, commit_phase, draft_phase,
-                                  spec_step, verify_phase)
+                                  verify_phase)
 
-_STATIC = ("target_graphdef", "draft_graphdef", "cfg")
+PHASES = ("draft", "select", "verify", "commit")
 
 
-@functools.partial(jax.jit, static_argnames=("draft_graphdef", "cfg"))
-def _draft(draft_graphdef, draft_params, st: SpecState, cfg: SpecConfig):
-  return draft_phase(draft_graphdef, draft_params, st.draft, st.decode, st.signals, cfg)
+@functools.partial(jax.jit, static_argnames=("graphdef", "cfg"), donate_argnames=("cache",))
+def _draft(graphdef, params, cache, ds, signals, cfg: SpecConfig):
+  return draft_phase(graphdef, params, cache, ds, signals, cfg)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
@@ -30,48 +31,85 @@ def _select(signals, target_cache, cfg: SpecConfig):
   return cfg.policy.select(signals, target_cache, cfg.gamma)
 
 
-@functools.partial(jax.jit, static_argnames=("target_graphdef", "cfg"))
-def _verify(target_graphdef, target_params, st: SpecState, drafts, kv_indices, signals,
-            cfg: SpecConfig):
-  return verify_phase(target_graphdef, target_params, st.target, st.decode, drafts, kv_indices,
-                      signals, cfg)
+@functools.partial(jax.jit, static_argnames=("graphdef", "cfg"), donate_argnames=("cache",))
+def _verify(graphdef, params, cache, ds, drafts, kv_indices, signals, cfg: SpecConfig):
+  return verify_phase(graphdef, params, cache, ds, drafts, kv_indices, signals, cfg)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",))
-def _accept_commit(st, target_cache, draft_cache, logits, q, drafts, signals, rng, cfg):
+@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("target", "draft"))
+def _commit(target, draft, ds, logits, q, drafts, signals, rng, cfg: SpecConfig):
   tokens, n_acc = accept(logits, q, drafts, rng, cfg.sampling)
-  ds = dataclasses.replace(st.decode, rng=rng)
-  return commit_phase(st, target_cache, draft_cache, ds, tokens, n_acc, signals, cfg)
+  return commit_phase(target, draft, dataclasses.replace(ds, rng=rng), tokens, n_acc, signals,
+                      cfg)
 
 
-def _median_ms(fn, repeats):
-  jax.block_until_ready(fn())  # compile + warm up
+def one_step_timed(target, draft, st: SpecState, cfg: SpecConfig):
+  """Run one step phase by phase. Returns (new state, {phase: seconds})."""
+  ds, t = st.decode, {}
+  def clock(name, fn):
+    t0 = time.perf_counter()
+    out = jax.block_until_ready(fn())
+    t[name] = time.perf_counter() - t0
+    return out
+  drafts, q, dcache, signals, rng = clock("draft", lambda: _draft(
+      draft.graphdef, draft.state, st.draft, ds, st.signals, cfg))
+  kv = clock("select", lambda: _select(signals, st.target, cfg))
+  logits, tcache, signals = clock("verify", lambda: _verify(
+      target.graphdef, target.state, st.target, ds, drafts, kv, signals, cfg))
+  rng, key = jax.random.split(rng)
+  new, *_ = clock("commit", lambda: _commit(tcache, dcache, ds, logits, q, drafts, signals, key,
+                                            cfg))
+  return new, t
+
+
+def time_phases_donated(target, draft, st: SpecState, cfg: SpecConfig, repeats: int = 5,
+                        reset=lambda s: s):
+  """{phase: median ms} over `repeats` steps after two warm-up steps.
+  `st` is consumed; `reset(new_state)` prepares the next step (benchmarks
+  reset the lengths so that every step runs at the same context). Returns
+  (times, last state)."""
+  samples = {p: [] for p in PHASES}
+  for i in range(repeats + 2):
+    st, t = one_step_timed(target, draft, st, cfg)
+    st = reset(st)
+    if i >= 2:
+      for p in PHASES:
+        samples[p].append(t[p])
+  med = {p: 1e3 * sorted(v)[len(v) // 2] for p, v in samples.items()}
+  return med, st
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "draft_heads", "target_heads"))
+def _estimate(signals, draft_cache, target_cache, key, cfg: SpecConfig, draft_heads, target_heads):
+  """The method's estimation alone: gamma lookahead scorings on the draft's
+  SRH layers, one historical scoring on the target's, and the selection,
+  on random queries of the right shapes."""
+  import jax.numpy as jnp
+  policy, b = cfg.policy, target_cache.batch
+  keys = jax.random.split(key, len(policy.draft_tap_layers) + len(policy.target_tap_layers) + 1)
+  def taps(layers, t, heads, ks):
+    return {l: jax.random.normal(k, (b, t, heads, target_cache.k[0].shape[-1]
+                                     if heads == target_heads else draft_cache.k[0].shape[-1]),
+                                 target_cache.k[0].dtype) for l, k in zip(layers, ks)}
+  nd = len(policy.draft_tap_layers)
+  for i in range(cfg.gamma):
+    t = taps(policy.draft_tap_layers, 1, draft_heads, keys[:nd])
+    signals = policy.observe_draft(signals, t, draft_cache.with_lengths(draft_cache.lengths + i), i)
+  t = taps(policy.target_tap_layers, cfg.gamma + 1, target_heads, keys[nd:-1])
+  signals = policy.observe_target(signals, t, target_cache, cfg.gamma)
+  return policy.select(signals, target_cache, cfg.gamma), signals
+
+
+def estimation_ms(target, draft, st: SpecState, cfg: SpecConfig, repeats: int = 5) -> float:
+  """Median ms of the estimation alone (see `_estimate`); nothing donated."""
+  key = jax.random.key(0)
+  fn = lambda: _estimate(st.signals, st.draft, st.target, key, cfg, draft.cfg.num_heads,
+                         target.cfg.num_heads)
+  jax.block_until_ready(fn())
+  jax.block_until_ready(fn())
   times = []
   for _ in range(repeats):
     t0 = time.perf_counter()
     jax.block_until_ready(fn())
     times.append(time.perf_counter() - t0)
-  times.sort()
-  return 1e3 * times[len(times) // 2]
-
-
-def time_phases(target, draft, st: SpecState, cfg: SpecConfig, repeats: int = 5) -> dict:
-  """{draft, select, verify, commit, step} in milliseconds (median) for
-  state `st`, which is left untouched (nothing is donated here, except a
-  copy for the fused step)."""
-  tg, tp, dg, dp = target.graphdef, target.state, draft.graphdef, draft.state
-  drafts, q, draft_cache, signals, rng = _draft(dg, dp, st, cfg)
-  kv = _select(signals, st.target, cfg)
-  logits, target_cache, signals2 = _verify(tg, tp, st, drafts, kv, signals, cfg)
-  out = {
-      "draft": _median_ms(lambda: _draft(dg, dp, st, cfg), repeats),
-      "select": _median_ms(lambda: _select(signals, st.target, cfg), repeats),
-      "verify": _median_ms(lambda: _verify(tg, tp, st, drafts, kv, signals, cfg), repeats),
-      "commit": _median_ms(lambda: _accept_commit(st, target_cache, draft_cache, logits, q,
-                                                  drafts, signals2, rng, cfg), repeats),
-  }
-  copy = lambda: jax.tree_util.tree_map(lambda x: x.copy() if hasattr(x, "copy") else x, st)
-  def fused():
-    return spec_step(tg, tp, dg, dp, copy(), cfg=cfg)
-  out["step"] = _median_ms(fused, repeats) - _median_ms(copy, repeats)
-  return out
+  return 1e3 * sorted(times)[len(times) // 2]

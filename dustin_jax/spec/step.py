@@ -169,8 +169,8 @@ def accept(target_logits, draft_probs, drafts, rng, sampling: SamplingConfig):
   return tokens.astype(jnp.int32), n_acc
 
 
-def commit_phase(st: SpecState, target: KVCache, draft: KVCache, ds: DecodeState,
-                 tokens, n_acc, signals, cfg: SpecConfig):
+def commit_phase(target: KVCache, draft: KVCache, ds: DecodeState, tokens, n_acc, signals,
+                 cfg: SpecConfig):
   """Emit (EOS / max-new cut) and advance both caches by the emitted count;
   rows of rejected tokens stay behind `lengths` and are overwritten later."""
   active = ~ds.done
@@ -198,8 +198,7 @@ def spec_step_fn(target_graphdef, target_params, draft_graphdef, draft_params,
   tokens, n_acc = accept(logits, q, drafts, key, cfg.sampling)
   # 5. commit
   ds = dataclasses.replace(ds, rng=rng)
-  new, out, n, active = commit_phase(st, target_cache, draft_cache, ds, tokens, n_acc,
-                                     signals, cfg)
+  new, out, n, active = commit_phase(target_cache, draft_cache, ds, tokens, n_acc, signals, cfg)
   return new, StepOutput(out, n, jnp.where(active, n_acc, 0), active, kv_indices)
 
 

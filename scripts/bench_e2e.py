@@ -1,0 +1,311 @@
+r"""End-to-end step time of each decoding method, per phase, on random weights.
+
+  python -m scripts.bench_e2e --out_dir=results/h200 --models=qwen7b \
+      --contexts=8192,16384,32768 --batches=16,8,1 --gammas=4
+
+Methods (one process, warm compiled steps, `block_until_ready`):
+  vanilla       plain autoregressive decoding, our full-cache decode_attention
+                kernel: THE baseline every speedup is stated against
+  vanilla_xla   the same with plain XLA attention (the closest analogue of
+                the paper's FlashAttention-2 baseline)
+  sd_full       standard speculative decoding, full verification, full draft cache
+  sd_magicdec   full verification, StreamingLLM draft cache (MagicDec)
+  dustin        hybrid sparse verification, streaming draft cache
+  streaming     sink + window verification, streaming draft cache
+  quest         Quest page selection, streaming draft cache
+
+Caches are filled with random values up to the context length and reused
+(after each step the lengths are reset): every step runs at the same
+context. All methods of one (model, batch, gamma) share one cache buffer
+sized for the longest context, which the kernels read only up to `lengths`;
+vanilla_xla reads the whole buffer, so it is timed only where the context
+fills it. Tokens/s = tau / step time, where tau is the mean accepted length
+measured on the real offline pair (`--tau_json`, from scripts/eval_longctx.py
+on the CPU); records say which tau was used and where it came from.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+import time
+
+from absl import app
+from absl import flags
+
+flags.DEFINE_string("out_dir", "results/h200", "where e2e.json and e2e.png go")
+flags.DEFINE_list("models", ["qwen7b", "llama3_8b"], "qwen7b (7B + 0.5B) and/or llama3_8b (8B + 1B)")
+flags.DEFINE_list("contexts", ["8192", "16384", "32768"], "context lengths")
+flags.DEFINE_list("batches", ["16", "8", "1"], "batch sizes")
+flags.DEFINE_list("gammas", ["4"], "draft lengths")
+flags.DEFINE_list("methods", ["vanilla", "vanilla_xla", "sd_full", "sd_magicdec", "dustin",
+                              "streaming", "quest"], "methods")
+flags.DEFINE_integer("budget", 512, "KV budget of the sparse methods")
+flags.DEFINE_integer("n_sink", 16, "attention-sink rows always verified")
+flags.DEFINE_integer("n_window", 64, "recent rows always verified")
+flags.DEFINE_integer("m", 128, "dustin: rows chosen by the draft signal")
+flags.DEFINE_integer("repeats", 10, "timed steps per measurement (median)")
+flags.DEFINE_integer("num_layers", 0, "keep only this many layers (smoke runs)")
+flags.DEFINE_string("tau_json", "results/eval/tau.json", "tau per (policy, gamma, budget)")
+flags.DEFINE_float("time_budget_s", 540, "stop starting new configs after this long")
+flags.DEFINE_bool("smoke", False, "tiny shapes on CPU (schema test)")
+FLAGS = flags.FLAGS
+
+POLICY = {"sd_full": "full", "sd_magicdec": "full", "dustin": "dustin", "streaming": "streaming",
+          "quest": "quest"}
+
+
+def _pairs():
+  from configs import shapes, tiny
+  if FLAGS.smoke:
+    return {"tiny": (tiny.tiny_hf(4), tiny.tiny_hf(2))}
+  return {"qwen7b": (shapes.QWEN25_7B, shapes.QWEN25_05B),
+          "llama3_8b": (shapes.LLAMA3_8B, shapes.LLAMA32_1B)}
+
+
+def random_cache(cfg, batch, max_len, context, seed):
+  """A cache filled with random rows up to `context`, made in place."""
+  import jax
+  import jax.numpy as jnp
+  from dustin_jax.cache import KVCache
+  from dustin_jax.weights import _fill
+  shape = (batch, cfg.num_kv_heads, max_len, cfg.head_dim)
+  dt = jnp.dtype(cfg.dtype)
+  def make():
+    rows = lambda s: tuple(_fill(shape, dt, "uniform", s + i) for i in range(cfg.num_layers))
+    return KVCache(k=rows(seed), v=rows(seed + 7919),
+                   lengths=jnp.full((batch,), context, jnp.int32))
+  return jax.jit(make)()
+
+
+def _timed(fn, repeats):
+  import jax
+  times = []
+  for i in range(repeats + 2):  # 2 warm-up runs (the first compiles)
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn())
+    if i >= 2:
+      times.append(time.perf_counter() - t0)
+  times.sort()
+  return 1e3 * times[len(times) // 2]
+
+
+def bench_vanilla(target, cache, context, impl, repeats):
+  import jax
+  import jax.numpy as jnp
+  from dustin_jax.generate import DecodeState, vanilla_step
+  from dustin_jax.sampling import SamplingConfig
+  b = cache.batch
+  ds0 = DecodeState.init([[1, 2]] * b, 1 << 30, jax.random.key(0))
+  state = {"cache": cache}
+  def step():
+    c, ds, out, n = vanilla_step(target.graphdef, target.state, state["cache"], ds0,
+                                 sampling=SamplingConfig(), impl=impl)
+    state["cache"] = c.with_lengths(jnp.full((b,), context, jnp.int32))
+    return out
+  ms = _timed(step, repeats)
+  return ms, state["cache"]
+
+
+def bench_spec(target, draft, tcache, dcache, context, cfg, repeats):
+  """(fused step ms, {phase: ms}, temp bytes of the compiled step, caches)."""
+  import jax
+  import jax.numpy as jnp
+  from dustin_jax.generate import DecodeState
+  from dustin_jax.spec.phases import estimation_ms, time_phases_donated
+  from dustin_jax.spec.step import SpecState, spec_step
+  b = tcache.batch
+  full = jnp.full((b,), context, jnp.int32)
+  ds0 = DecodeState.init([[1, 2]] * b, 1 << 30, jax.random.key(0))
+  st = {"s": SpecState(tcache, dcache, jax.tree_util.tree_map(lambda x: x.copy(), ds0),
+                       cfg.policy.init(b, tcache.max_len))}
+  def reset(s):  # the step donates its whole state: hand it a fresh decode state
+    fresh = jax.tree_util.tree_map(lambda x: x.copy(), ds0)
+    return SpecState(s.target.with_lengths(full.copy()), s.draft.with_lengths(full.copy()), fresh,
+                     s.signals)
+  tg, tp, dg, dp = target.graphdef, target.state, draft.graphdef, draft.state
+  compiled = spec_step.lower(tg, tp, dg, dp, st["s"], cfg=cfg).compile()
+  mem = compiled.memory_analysis()
+  temp = int(getattr(mem, "temp_size_in_bytes", -1)) if mem is not None else -1
+  def step():
+    s, out = spec_step(tg, tp, dg, dp, st["s"], cfg=cfg)
+    st["s"] = reset(s)
+    return out.tokens
+  ms = _timed(step, repeats)
+  phases, s = time_phases_donated(target, draft, st["s"], cfg, repeats, reset)
+  if cfg.policy.draft_tap_layers or cfg.policy.target_tap_layers:
+    # the scorings run inside draft and verify; this times them on their own
+    phases["estimate_isolated"] = estimation_ms(target, draft, s, cfg, repeats)
+  return ms, phases, temp, s.target, s.draft
+
+
+def floor_bytes(method, tcfg, dcfg, batch, context, gamma, budget, policy):
+  """The fewest HBM bytes a step must move: weights once per forward, the
+  KV rows each forward attends to (+ the SRH keys of the estimation)."""
+  def weights(c):
+    return c.num_params() * 2
+  def kv(c, rows):
+    return c.kv_bytes_per_token(2) * rows * batch
+  if method.startswith("vanilla"):
+    return {"verify": weights(tcfg) + kv(tcfg, context)}
+  draft_rows = context if method == "sd_full" else min(context, 16 + 496)
+  out = {"draft": gamma * (weights(dcfg) + kv(dcfg, draft_rows))}
+  rows = context if method.startswith("sd_") else budget
+  out["verify"] = weights(tcfg) + kv(tcfg, rows + gamma + 1)
+  if policy is not None and hasattr(policy, "draft_heads"):
+    k_row = 2 * batch * context  # bytes per head-dim column of one KV head's keys
+    heads = {(l, h // dcfg.group_size) for l, h in policy.draft_heads}
+    theads = {(l, h // tcfg.group_size) for l, h in policy.target_heads}
+    out["estimate"] = k_row * (len(heads) * dcfg.head_dim * gamma + len(theads) * tcfg.head_dim)
+  return out
+
+
+def load_tau(path):
+  if not path or not os.path.exists(path):
+    return {}, None
+  with open(path) as f:
+    recs = json.load(f)
+  return {(r["policy"], int(r["gamma"]), int(r.get("budget") or 0)): r for r in recs}, path
+
+
+def main(argv):
+  del argv
+  import jax
+  import numpy as np
+  from dustin_jax import sharding
+  from dustin_jax.config import ModelConfig
+  from dustin_jax.generate import Model
+  from dustin_jax.selection.policies import policy_from_config
+  from dustin_jax.spec.step import SpecConfig
+  from dustin_jax.weights import random_params
+
+  t_start = time.perf_counter()
+  os.makedirs(FLAGS.out_dir, exist_ok=True)
+  out_json = os.path.join(FLAGS.out_dir, "e2e.json")
+  taus, tau_path = load_tau(FLAGS.tau_json)
+  contexts = sorted(int(x) for x in FLAGS.contexts)
+  if FLAGS.smoke:
+    contexts = [48, 96]
+  max_ctx = max(contexts)
+  records = []
+  device = jax.devices()[0].device_kind
+  cap = sharding.device_capacity()
+
+  def save():
+    with open(out_json, "w") as f:
+      json.dump(records, f, indent=1)
+
+  for name in FLAGS.models:
+    thf, dhf = _pairs()[name]
+    layers = FLAGS.num_layers or None
+    tcfg = ModelConfig.from_hf(dict(thf), dtype="bfloat16", num_layers=layers)
+    dcfg = ModelConfig.from_hf(dict(dhf), dtype="bfloat16", num_layers=layers)
+    target = Model(tcfg, *random_params(tcfg, seed=0))
+    draft = Model(dcfg, *random_params(dcfg, seed=1))
+    for batch in (int(b) for b in FLAGS.batches):
+      for gamma in (int(g) for g in FLAGS.gammas):
+        max_len = max_ctx + gamma + 8
+        plan = sharding.memory_plan(tcfg, dcfg, batch=batch, max_len=max_len, data=1, model=1,
+                                    gamma=gamma, capacity=cap)
+        if not plan.fits():
+          print(f"skip {name} batch {batch}: {plan.total / 2**30:.0f} GiB > capacity", flush=True)
+          records.append(dict(method="*", model=name, batch=batch, gamma=gamma, skipped="memory",
+                              need_gib=plan.total / 2**30))
+          continue
+        tcache = random_cache(tcfg, batch, max_len, max_ctx, 11)
+        dcache = random_cache(dcfg, batch, max_len, max_ctx, 13)
+        vanilla_ms = {}
+        for method in FLAGS.methods:
+          if time.perf_counter() - t_start > FLAGS.time_budget_s:
+            print("time budget reached; stopping", flush=True)
+            save()
+            return _finish(records, out_json)
+          policy = None
+          if method in POLICY:
+            policy = policy_from_config(dict(policy=POLICY[method], budget=FLAGS.budget,
+                                             n_sink=FLAGS.n_sink, n_window=FLAGS.n_window,
+                                             m=FLAGS.m), tcfg, dcfg)
+          for context in contexts:
+            if method == "vanilla_xla" and context != max_ctx:
+              continue  # XLA reads the whole buffer: only fair where context fills it
+            rec = dict(method=method, model=name, batch=batch, context=context, gamma=gamma,
+                       budget=FLAGS.budget if method in ("dustin", "streaming", "quest") else None,
+                       device=device, jax_version=jax.__version__)
+            try:
+              if method.startswith("vanilla"):
+                impl = "reference" if method == "vanilla_xla" else "auto"
+                tcache = tcache.with_lengths(np.full((batch,), context, np.int32))
+                ms, tcache = bench_vanilla(target, tcache, context, impl, FLAGS.repeats)
+                rec.update(step_ms=ms, phase_ms={"verify": ms}, tau=1.0, tau_source="vanilla")
+                vanilla_ms[(method, context)] = ms
+              else:
+                cfg = SpecConfig(gamma=gamma, policy=policy,
+                                 draft_kv="full" if method == "sd_full" else "streaming")
+                tcache = tcache.with_lengths(np.full((batch,), context, np.int32))
+                dcache = dcache.with_lengths(np.full((batch,), context, np.int32))
+                ms, phases, temp, tcache, dcache = bench_spec(target, draft, tcache, dcache,
+                                                             context, cfg, FLAGS.repeats)
+                key = (POLICY[method], gamma, FLAGS.budget if POLICY[method] != "full" else 0)
+                t = taus.get(key)
+                rec.update(step_ms=ms, phase_ms=phases, compiled_temp_bytes=temp,
+                           tau=t["tau"] if t else None,
+                           tau_source=(f"{tau_path}: {t.get('source', '')} context "
+                                       f"{t.get('context', '')}" if t else "not measured"))
+              rec["floor_bytes"] = floor_bytes(method, tcfg, dcfg, batch, context, gamma,
+                                               FLAGS.budget, policy)
+              base = vanilla_ms.get(("vanilla", context))
+              rec["tokens_per_s"] = batch * rec["tau"] / (rec["step_ms"] / 1e3) if rec["tau"] else None
+              rec["speedup_vs_vanilla"] = (rec["tau"] * base / rec["step_ms"]
+                                           if rec["tau"] and base else None)
+              rec["step_speedup_vs_vanilla"] = base / rec["step_ms"] if base else None
+            except Exception as e:  # noqa: BLE001 -- record and go on: one bad config
+              rec["error"] = f"{type(e).__name__}: {e}"[:500]
+              # a failed call may have consumed the donated caches: make new ones
+              tcache = random_cache(tcfg, batch, max_len, max_ctx, 11)
+              dcache = random_cache(dcfg, batch, max_len, max_ctx, 13)
+            records.append(rec)
+            print(json.dumps({k: rec.get(k) for k in ("method", "model", "batch", "context",
+                              "gamma", "step_ms", "phase_ms", "speedup_vs_vanilla", "error")}),
+                  flush=True)
+            save()
+        del tcache, dcache
+  _finish(records, out_json)
+
+
+def _finish(records, out_json):
+  save_plot(records, out_json.replace(".json", ".png"))
+  print(f"wrote {out_json}")
+
+
+def save_plot(records, path):
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  ok = [r for r in records if r.get("step_ms") and not r.get("error")]
+  if not ok:
+    return
+  models = sorted({r["model"] for r in ok})
+  fig, axes = plt.subplots(1, len(models), figsize=(7 * len(models), 5), squeeze=False)
+  for ax, m in zip(axes[0], models):
+    for (method, batch, gamma) in sorted({(r["method"], r["batch"], r["gamma"]) for r in ok
+                                          if r["model"] == m and r["method"] != "vanilla"}):
+      pts = sorted((r["context"], r.get("speedup_vs_vanilla") or r.get("step_speedup_vs_vanilla"))
+                   for r in ok if (r["model"], r["method"], r["batch"], r["gamma"]) ==
+                   (m, method, batch, gamma))
+      pts = [p for p in pts if p[1]]
+      if pts:
+        ax.plot(*zip(*pts), marker="o", label=f"{method} B{batch} γ{gamma}")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("context (tokens)")
+    ax.set_ylabel("speedup vs vanilla (tokens/s; step time where tau unknown)")
+    ax.axhline(1.0, color="gray", lw=0.5)
+    ax.set_title(f"{m} on {ok[0]['device']}")
+    ax.legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,35 @@
+"""scripts/bench_e2e.py writes the promised JSON schema (tiny shapes, CPU)."""
+
+import json
+
+import pytest
+
+
+def test_bench_e2e_smoke_schema(tmp_path):
+  from absl import flags
+  from scripts import bench_e2e
+  tau = tmp_path / "tau.json"
+  tau.write_text(json.dumps([{"policy": "full", "gamma": 2, "budget": 0, "tau": 2.5,
+                              "source": "test", "context": 64},
+                             {"policy": "dustin", "gamma": 2, "budget": 32, "tau": 2.0}]))
+  argv = ["bench_e2e", "--smoke", "--models=tiny", f"--out_dir={tmp_path}", "--batches=2",
+          "--gammas=2", "--repeats=1", "--budget=32", "--n_sink=4", "--n_window=8", "--m=8", f"--tau_json={tau}",
+          "--methods=vanilla,sd_full,dustin"]
+  flags.FLAGS.unparse_flags()
+  flags.FLAGS(argv)
+  bench_e2e.main(argv)
+  recs = json.loads((tmp_path / "e2e.json").read_text())
+  assert (tmp_path / "e2e.png").exists()
+  keys = {"method", "model", "batch", "context", "gamma", "step_ms", "phase_ms", "tau",
+          "tau_source", "tokens_per_s", "speedup_vs_vanilla"}
+  assert {r["method"] for r in recs} == {"vanilla", "sd_full", "dustin"}
+  for r in recs:
+    assert not r.get("error"), r
+    assert keys <= r.keys() and r["step_ms"] > 0
+  sd = next(r for r in recs if r["method"] == "sd_full")
+  assert sd["tau"] == 2.5 and set(sd["phase_ms"]) >= {"draft", "select", "verify", "commit"}
+  van = next(r for r in recs if r["method"] == "vanilla" and r["context"] == sd["context"])
+  assert sd["speedup_vs_vanilla"] == pytest.approx(2.5 * van["step_ms"] / sd["step_ms"])
+  assert sd["tokens_per_s"] == pytest.approx(2 * 2.5 / (sd["step_ms"] / 1e3))
+  dus = next(r for r in recs if r["method"] == "dustin")
+  assert "estimate_isolated" in dus["phase_ms"]
