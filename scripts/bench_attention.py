@@ -13,7 +13,14 @@ Times, in one process and with the copy bandwidth measured in the same run:
 Each timed call is one jit holding `inner` independent calls of the kernel
 (different queries / indices / cache copies, so nothing is cached or
 CSE'd); the median over `repeats` of that call, divided by `inner`, is the
-per-kernel time, with block_until_ready.  Writes <out_dir>/<json_name>
+wall time per kernel call (`wall_ms`, with block_until_ready; it includes the
+host's dispatch of the jit, tens of microseconds, which swamps the small
+sparse kernels).  On GPU the same call is then run once under the JAX
+profiler and the GPU kernel intervals in its trace give `gpu_ms` (union of
+kernel execution intervals, per call: all kernels the op launches, XLA
+fusions included) and `gpu_span_ms` (first kernel start to last kernel end,
+per call: adds the launch gaps inside the jit).  `ms` = gpu_ms where
+available, else wall_ms; speedups are ratios of `ms` within one run.  Writes <out_dir>/<json_name>
 (a list of records) and a PNG plot, and prints a table.
 
   python -m scripts.bench_attention --out_dir=results/h200
@@ -49,6 +56,16 @@ flags.DEFINE_list("kernels", ["decode", "sparse", "xla", "jax_gqa", "srh"],
 flags.DEFINE_list("budget_shapes", [], "if set, 'ctx:batch' pairs where all "
                   "budgets run; elsewhere only 512")
 flags.DEFINE_list("srh_models", ["qwen2.5-7b"], "models for the srh estimate")
+flags.DEFINE_list("srh_budgets", ["512", "2048"], "top-k sizes for the srh "
+                  "estimate at the largest shape (512 elsewhere)")
+flags.DEFINE_list("secondary_kernels", ["decode", "sparse"], "kernels run "
+                  "at shapes other than the largest context x batch (sparse "
+                  "there only at K=512)")
+flags.DEFINE_bool("device_time", True, "also time kernels from a profiler "
+                  "trace (CUPTI kernel intervals; GPU only) and use it as ms")
+flags.DEFINE_bool("check", True, "compare outputs with the references at "
+                  "the largest shapes")
+flags.DEFINE_string("save_trace", "", "copy the first profiler trace here")
 flags.DEFINE_integer("T", 5, "verify tokens (gamma + 1)")
 flags.DEFINE_integer("inner", 16, "kernel calls per timed jit call")
 flags.DEFINE_integer("repeats", 10, "timed calls (median)")
@@ -97,16 +114,21 @@ class Bench:
     self.platform = jax.default_backend()
     self.copy_bw = None
     self.decode_ms = {}
+    self.pending = []
+    self.last_out = None
+    self.best = {}
 
   # ------------------------------------------------------------ helpers
   def out_of_time(self):
     return FLAGS.time_limit_s and _now() - self.t0 > FLAGS.time_limit_s
 
-  def time_calls(self, fn, argsets):
-    """Median ms per kernel call over `argsets` (one jit, len(argsets) calls)."""
+  def time_calls(self, fn, argsets, rec=None):
+    """Median wall ms per kernel call over `argsets` (one jit, len(argsets)
+    calls).  With `rec`, queues the record for device timing (flush)."""
     jax = self.jax
     f = jax.jit(lambda sets: [fn(*a) for a in sets])
-    jax.block_until_ready(f(argsets))
+    out = f(argsets)
+    jax.block_until_ready(out)
     for _ in range(FLAGS.warmup):
       jax.block_until_ready(f(argsets))
     ts = []
@@ -114,17 +136,79 @@ class Bench:
       t = _now()
       jax.block_until_ready(f(argsets))
       ts.append(_now() - t)
-    return statistics.median(ts) / len(argsets) * 1e3
+    ms = statistics.median(ts) / len(argsets) * 1e3
+    if rec is not None:
+      rec["wall_ms"] = ms
+      rec["ms"] = ms
+      self.pending.append(dict(rec=rec, f=f, argsets=argsets))
+    self.last_out = out[0]
+    return ms
+
+  def device_times(self, items):
+    """(gpu_ms, gpu_span_ms) per call for each item, from one profiler trace."""
+    import glob
+    import gzip
+    import shutil
+    import tempfile
+    jax = self.jax
+    d = tempfile.mkdtemp(prefix="bench_prof_")
+    labels = [f"bench_item_{i}" for i in range(len(items))]
+    with jax.profiler.trace(d, create_perfetto_trace=True):
+      for lab, it in zip(labels, items):
+        with jax.profiler.TraceAnnotation(lab):
+          jax.block_until_ready(it["f"](it["argsets"]))
+    path = glob.glob(os.path.join(d, "**", "perfetto_trace.json.gz"),
+                     recursive=True)[-1]
+    if (FLAGS.save_trace and len(items) > 1
+        and not os.path.exists(FLAGS.save_trace)):
+      shutil.copy(path, FLAGS.save_trace)
+    with gzip.open(path) as fh:
+      tr = json.load(fh)
+    shutil.rmtree(d, ignore_errors=True)
+    ev = tr["traceEvents"] if isinstance(tr, dict) else tr
+    return parse_device_times(ev, labels, [len(it["argsets"]) for it in items])
+
+  def flush(self):
+    """Device-times the queued measurements, then records them in order."""
+    items, self.pending = self.pending, []
+    if not items:
+      return
+    times = [(None, None)] * len(items)
+    if FLAGS.device_time and self.platform == "gpu":
+      try:
+        times = self.device_times(items)
+      except Exception as e:  # keep the wall times
+        self.errors.append(f"device_times: {type(e).__name__}: {e}")
+        print("  device timing failed:", e, flush=True)
+    for it, (busy, span) in zip(items, times):
+      rec = it["rec"]
+      rec["gpu_ms"], rec["gpu_span_ms"] = busy, span
+      if busy:
+        rec["ms"] = busy
+      self.add(**rec)
 
   def measure_copy(self):
     jax, jnp = self.jax, self.jnp
     n = (2**22 if FLAGS.smoke else 2**30) // 2  # elements of bf16 (2 GiB)
     x = jax.random.normal(jax.random.PRNGKey(0), (n,), jnp.float32).astype(
         jnp.bfloat16)
-    ms = self.time_calls(lambda a: jnp.copy(a), [(x,)] * 2)
-    self.copy_bw = 2 * x.nbytes / (ms * 1e-3) / 1e12
-    self.add(kernel="copy", model=None, batch=None, context=None, budget=None,
-             ms=ms, bytes=2 * x.nbytes, bytes_moved=2 * x.nbytes)
+    rec = dict(kernel="copy", model=None, batch=None, context=None,
+               budget=None, bytes=2 * x.nbytes, bytes_moved=2 * x.nbytes)
+    self.time_calls(lambda a: jnp.copy(a), [(x,)] * 2, rec)
+    items = self.pending
+    self.pending = []
+    busy = None
+    if FLAGS.device_time and self.platform == "gpu":
+      try:
+        busy, span = self.device_times(items)[0]
+        rec["gpu_ms"], rec["gpu_span_ms"] = busy, span
+      except Exception as e:
+        self.errors.append(f"device_times(copy): {e}")
+    # The copy's own bandwidth: wall and device time agree for 2 GiB; use the
+    # device time when there is one (same basis as the kernels' ms).
+    rec["ms"] = busy or rec["wall_ms"]
+    self.copy_bw = 2 * x.nbytes / (rec["ms"] * 1e-3) / 1e12
+    self.add(**rec)
     del x
 
   def add(self, **rec):
@@ -142,6 +226,8 @@ class Bench:
       self.decode_ms[key] = ms
     base = self.decode_ms.get(key)
     rec["speedup_vs_decode_attention"] = base / ms if base else None
+    if rec["kernel"].startswith("srh_scores+") and base:
+      rec["ratio_vs_28x_decode"] = ms / (N_LAYERS_7B * base)
     self.records.append(rec)
     self.save()
     print(f"  {rec['kernel']:<26} {str(rec.get('model')):<12} "
@@ -236,18 +322,26 @@ class Bench:
     return d
 
   # ------------------------------------------------------------ kernels
-  def run_decode(self, sh, tune=None, tag=None):
+  def rel_err(self, out, ref):
+    out = np.asarray(out, np.float64)
+    ref = np.asarray(ref, np.float64)
+    if not np.isfinite(out).all():
+      return float("inf")
+    return float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
+
+  def run_decode(self, sh, tune=None, tag=None, check=False):
     from kernels.decode_attention.ops import decode_attention
     tuning = dict(tune or {})
     fn = functools.partial(decode_attention, impl=FLAGS.impl, **tuning)
-    ms = self.time_calls(fn, self.argsets(sh))
     floor = self.live_kv_bytes(sh) + self.qo_bytes(sh)
-    rec = self.base(sh, kernel="decode_attention", ms=ms, bytes=floor,
+    rec = self.base(sh, kernel="decode_attention", bytes=floor,
                     bytes_moved=floor + self.decode_partial_bytes(sh, tuning),
                     tuning=tuning)
     if tag:
       rec["tune"] = tag
-    return self.add(**rec)
+    self.time_calls(fn, self.argsets(sh), rec)
+    if check:
+      sh["decode_out0"] = (rec, self.last_out)
 
   def decode_partial_bytes(self, sh, tuning):
     if self.platform != "gpu" or FLAGS.impl not in ("auto", "gpu"):
@@ -263,28 +357,38 @@ class Bench:
     rows = sh["T"] * sh["Hq"]
     return int(2 * live.sum() * rows * (sh["D"] + 2) * 4)
 
-  def run_sparse(self, sh, K, tune=None, tag=None):
+  def run_sparse(self, sh, K, tune=None, tag=None, check=False):
+    jax = self.jax
     from kernels.sparse_verify.ops import sparse_verify
     tuning = dict(tune or {})
-    idx = self.make_indices(sh, K, seed=K)
+    key = ("idx", K)
+    if key not in sh:
+      sh[key] = self.make_indices(sh, K, seed=K)
+    idx = sh[key]
     fn = functools.partial(sparse_verify, impl=FLAGS.impl, **tuning)
-    ms = self.time_calls(fn, self.argsets(sh, idx))
     n_valid = int((np.asarray(idx[0]) >= 0).sum())
     rows = n_valid + sh["B"] * sh["T"]
     floor = (2 * rows * sh["Hkv"] * sh["D"] * self.itemsize + self.qo_bytes(sh)
              + sh["B"] * K * 4)
-    rec = self.base(sh, kernel="sparse_verify", budget=K, ms=ms, bytes=floor,
+    rec = self.base(sh, kernel="sparse_verify", budget=K, bytes=floor,
                     bytes_moved=floor, tuning=tuning)
     if tag:
       rec["tune"] = tag
-    return self.add(**rec)
+    sets = self.argsets(sh, idx)
+    self.time_calls(fn, sets, rec)
+    if check:
+      from kernels.sparse_verify.reference import sparse_verify_reference
+      ref = jax.jit(sparse_verify_reference)(*sets[0])
+      rec["rel_err_vs_reference"] = self.rel_err(self.last_out, ref)
 
   def run_xla(self, sh):
     from kernels.decode_attention.reference import decode_attention_reference
-    ms = self.time_calls(decode_attention_reference, self.argsets(sh))
     floor = self.live_kv_bytes(sh) + self.qo_bytes(sh)
-    return self.add(**self.base(sh, kernel="xla_reference", ms=ms,
-                                bytes=floor, bytes_moved=None))
+    rec = self.base(sh, kernel="xla_reference", bytes=floor, bytes_moved=None)
+    self.time_calls(decode_attention_reference, self.argsets(sh), rec)
+    if "decode_out0" in sh:
+      drec, dout = sh.pop("decode_out0")
+      drec["rel_err_vs_reference"] = self.rel_err(dout, self.last_out)
 
   def run_jax_gqa(self, sh, packed):
     """jax.experimental.pallas.ops.gpu.decode_attention on head-major K/V."""
@@ -309,20 +413,19 @@ class Bench:
       else:
         qq = q[:, 0].reshape(B, Hkv, G, D)
       seq = jnp.broadcast_to((lengths + T)[:, None], (B, Hkv))
-      start = None
       return jax.vmap(jax.vmap(inner, in_axes=(0, 0, 0, None, 0)),
-                      in_axes=(0, 0, 0, None, 0))(qq, k, v, start, seq)
+                      in_axes=(0, 0, 0, None, 0))(qq, k, v, None, seq)
 
-    ms = self.time_calls(fn, self.argsets(sh))
     floor = self.live_kv_bytes(sh) + 2 * B * rows * Hkv * D * self.itemsize
     name = "jax_pallas_gqa_T5_packed" if packed else "jax_pallas_gqa"
-    return self.add(**self.base(
-        sh, kernel=name, ms=ms, bytes=floor, bytes_moved=None,
+    rec = self.base(
+        sh, kernel=name, bytes=floor, bytes_moved=None,
         note=("T queries folded into heads, no causal mask inside the block"
-              if packed else "1 query per head (the op cannot take T>1)")))
+              if packed else "1 query per head (the op cannot take T>1)"))
+    self.time_calls(fn, self.argsets(sh), rec)
 
   def run_srh(self, sh, layout, budgets):
-    jax, jnp = self.jax, self.jnp
+    jax = self.jax
     from kernels.srh_scores.ops import select_topk, srh_scores, srh_scores_bytes
     B, T, D, G = sh["B"], sh["T"], sh["D"], sh["Hq"] // sh["Hkv"]
     kv_head = tuple(h // G for h in SRH_HEADS[layout](G))
@@ -335,50 +438,64 @@ class Bench:
       qsets.append((jax.random.normal(kq, (B, T, nq, D), self.dtype), k,
                     sh["lengths"]))
     scores_fn = functools.partial(srh_scores, kv_head=kv_head, impl=FLAGS.impl)
-    ms = self.time_calls(lambda q, k, L: scores_fn(q, k, L), qsets)
     S_live = int(np.minimum(sh["lengths_np"] + T, sh["S"]).max())
     by = srh_scores_bytes(B, S_live, D, kv_head, T, self.itemsize)
     note = f"{nq} SRH query heads on {len(set(kv_head))} KV heads {kv_head}"
-    dec = self.decode_ms.get((sh["model"], B, sh["ctx"], sh["ragged"]))
-    self.add(**self.base(sh, kernel="srh_scores", srh_layout=layout, ms=ms,
-                         bytes=by["keys"] + by["scores"],
-                         bytes_moved=by["total"], note=note))
+    rec = self.base(sh, kernel="srh_scores", srh_layout=layout,
+                    bytes=by["keys"] + by["scores"], bytes_moved=by["total"],
+                    note=note)
+    self.time_calls(lambda q, k, L: scores_fn(q, k, L), qsets, rec)
+    scores = [jax.random.uniform(jax.random.PRNGKey(i), (B, sh["S"]))
+              for i in range(FLAGS.inner)]
     for K in budgets:
-      scores = [jax.random.uniform(jax.random.PRNGKey(i), (B, sh["S"]))
-                for i in range(FLAGS.inner)]
-      ms_k = self.time_calls(lambda s: select_topk(s, K),
-                             [(s,) for s in scores])
-      self.add(**self.base(sh, kernel="topk", budget=K, ms=ms_k,
-                           bytes=B * sh["S"] * 4, bytes_moved=None))
-      both = self.time_calls(
-          lambda q, k, L: select_topk(scores_fn(q, k, L), K), qsets)
-      rec = self.base(sh, kernel="srh_scores+topk", budget=K, srh_layout=layout,
-                      ms=both, bytes=by["keys"] + by["scores"],
-                      bytes_moved=by["total"], note=note)
-      if dec:
-        rec["ratio_vs_28x_decode"] = both / (N_LAYERS_7B * dec)
-      self.add(**rec)
+      for method in ("lax", "two_stage"):
+        if method == "two_stage" and sh["S"] <= max(4 * K, 2048):
+          continue
+        name = "topk" if method == "lax" else "topk_two_stage"
+        sel = functools.partial(select_topk, k=K, method=method)
+        rec = self.base(sh, kernel=name, budget=K, bytes=B * sh["S"] * 4,
+                        bytes_moved=None)
+        self.time_calls(lambda s: sel(s), [(s,) for s in scores], rec)
+        rec = self.base(sh, kernel=f"srh_scores+{name}", budget=K,
+                        srh_layout=layout, bytes=by["keys"] + by["scores"],
+                        bytes_moved=by["total"], note=note)
+        self.time_calls(lambda q, k, L: sel(scores_fn(q, k, L)), qsets, rec)
 
   # ------------------------------------------------------------ plans
+  DECODE_SWEEP = [dict(block_k=64, chunk=2048), dict(block_k=64, chunk=8192),
+                  dict(block_k=32, chunk=4096, num_stages=4)]
+  SPARSE_SWEEP = [  # on top of the default (block_k=64, ~2 programs/SM, fused)
+      dict(block_k=64, target_programs=64),
+      dict(block_k=64, target_programs=64, num_stages=4),
+      dict(block_k=64, target_programs=132),
+      dict(block_k=64, target_programs=264, combine="xla"),
+      dict(block_k=64, target_programs=396),
+      dict(block_k=32, target_programs=264),
+      dict(block_k=32, target_programs=528),
+      dict(block_k=128, target_programs=320, num_stages=2),
+      dict(block_k=16, target_programs=528),
+  ]
+
   def tune(self):
     sh = self.make_shape("qwen2.5-7b", 16, 32768)
     print("== tuning at qwen2.5-7b B=16 ctx=32768", flush=True)
-    self.guard("decode default", lambda: self.run_decode(sh))
-    for bk, chunk, nw, ns in [(64, 2048, 4, 3), (64, 4096, 4, 3),
-                              (64, 1024, 4, 3), (32, 2048, 4, 3),
-                              (128, 2048, 4, 3), (128, 2048, 8, 3),
-                              (64, 2048, 4, 4), (64, 2048, 4, 2),
-                              (64, 4096, 8, 4), (128, 4096, 8, 3),
-                              (32, 2048, 4, 5), (64, 8192, 4, 3)]:
-      t = dict(block_k=bk, chunk=chunk, num_warps=nw, num_stages=ns)
+    self.guard("decode default", lambda: self.run_decode(sh, tag="default"))
+    for t in self.DECODE_SWEEP:
       self.guard(f"decode {t}", lambda: self.run_decode(sh, t, tag="tune"))
-    for bk, sp, nw, ns in [(64, 1, 4, 3), (64, 2, 4, 3), (64, 3, 4, 3),
-                           (32, 1, 4, 3), (32, 2, 4, 3), (32, 4, 4, 3),
-                           (64, 2, 4, 2), (64, 2, 8, 3), (16, 2, 4, 3),
-                           (64, 4, 4, 3)]:
-      t = dict(block_k=bk, splits=sp, num_warps=nw, num_stages=ns)
-      self.guard(f"sparse {t}", lambda: self.run_sparse(sh, 512, t, tag="tune"))
-    self.guard("sparse default", lambda: self.run_sparse(sh, 512))
+    self.guard("sparse default", lambda: self.run_sparse(sh, 512,
+                                                         tag="default"))
+    for t in self.SPARSE_SWEEP:
+      self.guard(f"sparse {t}", lambda: self.run_sparse(sh, 512, t,
+                                                        tag="tune"))
+    n0 = len(self.records)
+    self.guard("flush", self.flush)
+    for kern in ("sparse_verify",):
+      cands = [r for r in self.records[n0:] if r["kernel"] == kern]
+      if cands:
+        best = min(cands, key=lambda r: r["ms"])
+        self.best[kern] = dict(best.get("tuning") or {})
+        print(f"  best {kern}: {self.best[kern]} {best['ms']:.4f} ms",
+              flush=True)
     del sh
 
   def grid(self):
@@ -386,16 +503,18 @@ class Bench:
     ctxs = [int(c) for c in FLAGS.contexts]
     batches = [int(b) for b in FLAGS.batches]
     budgets = [int(k) for k in FLAGS.budgets]
-    full_budget_at = {tuple(int(x) for x in s.split(":"))
-                      for s in FLAGS.budget_shapes}
     shapes = [(m, c, b) for c in ctxs for b in batches for m in models]
-    # Priority: the largest context and batch first for every model.
+    # Priority: the largest context x batch first for every model, then the
+    # ragged variants, then the rest (7B first).
     shapes.sort(key=lambda s: (-(s[1] * s[2]), models.index(s[0])))
-    jobs = [(m, c, b, False) for (m, c, b) in shapes]
+    primary = [s for s in shapes if s[1] == max(ctxs) and s[2] == max(batches)]
+    rest = [s for s in shapes if s not in primary]
+    rest.sort(key=lambda s: (models.index(s[0]), -(s[1] * s[2])))
+    jobs = [(m, c, b, False) for (m, c, b) in primary]
     if FLAGS.ragged and not FLAGS.smoke:
-      for m in models:
-        jobs.insert(len(models) + models.index(m),
-                    (m, max(ctxs), max(batches), True))
+      jobs += [(m, c, b, True) for (m, c, b) in primary]
+    jobs += [(m, c, b, False) for (m, c, b) in rest]
+    sparse_tune = self.best.get("sparse_verify", {})
     for model, ctx, B, ragged in jobs:
       if self.out_of_time():
         print("time limit reached: stopping", flush=True)
@@ -404,41 +523,95 @@ class Bench:
       sh = self.guard("alloc", lambda: self.make_shape(model, B, ctx, ragged))
       if sh is None:
         continue
-      ks = FLAGS.kernels
+      is_primary = (ctx == max(ctxs) and B == max(batches))
+      ks = FLAGS.kernels if (is_primary and not ragged) else [
+          k for k in FLAGS.kernels if k in FLAGS.secondary_kernels]
+      check = FLAGS.check and is_primary
       if "decode" in ks:
-        self.guard("decode", lambda: self.run_decode(sh))
+        self.guard("decode", lambda: self.run_decode(sh, check=check))
       if "sparse" in ks:
-        kset = budgets
-        if full_budget_at and (ctx, B) not in full_budget_at:
-          kset = [k for k in budgets if k == 512] or budgets[:1]
-        if ragged:
-          kset = [k for k in budgets if k == 512] or budgets[:1]
+        kset = budgets if (is_primary and not ragged) else (
+            [k for k in budgets if k == 512] or budgets[:1])
         for K in kset:
-          self.guard(f"sparse K={K}", lambda: self.run_sparse(sh, K))
+          self.guard(f"sparse K={K}", lambda: self.run_sparse(
+              sh, K, sparse_tune, check=check and K == 512))
       if "xla" in ks:
         self.guard("xla", lambda: self.run_xla(sh))
-      if "jax_gqa" in ks and self.platform == "gpu" and not ragged:
+      if "jax_gqa" in ks and self.platform == "gpu":
         self.guard("jax_gqa", lambda: self.run_jax_gqa(sh, packed=False))
         self.guard("jax_gqa_packed", lambda: self.run_jax_gqa(sh, packed=True))
-      if "srh" in ks and model in FLAGS.srh_models and not ragged:
+      if "srh" in ks and model in FLAGS.srh_models:
+        kset = [int(k) for k in FLAGS.srh_budgets]
+        if not is_primary:
+          kset = [k for k in kset if k == 512] or kset[:1]
         for layout in SRH_HEADS:
           if FLAGS.smoke and layout != "4q/2kv":
             continue
-          kset = budgets if (ctx == max(ctxs) and B == max(batches)) else [512]
-          if FLAGS.smoke:
-            kset = budgets[:1]
           self.guard(f"srh {layout}", lambda: self.run_srh(sh, layout, kset))
+      self.guard("flush", self.flush)
       del sh
+
+
+def parse_device_times(ev, labels, n_calls):
+  """Per label: (union of GPU kernel intervals, first-to-last span), in ms
+  per call, from Chrome-trace events; device events are attributed to the
+  host annotation window they start in."""
+  pname, tname = {}, {}
+  for e in ev:
+    if e.get("ph") == "M" and e.get("name") == "process_name":
+      pname[e["pid"]] = e.get("args", {}).get("name", "")
+    if e.get("ph") == "M" and e.get("name") == "thread_name":
+      tname[(e["pid"], e.get("tid"))] = e.get("args", {}).get("name", "")
+  gpu = {p for p, n in pname.items() if "GPU" in n or "gpu" in n}
+  dev = [e for e in ev if e.get("ph") == "X" and e.get("pid") in gpu]
+  streams = [e for e in dev
+             if "stream" in tname.get((e["pid"], e.get("tid")), "").lower()]
+  if streams:
+    dev = streams
+  else:
+    skip = ("xla modules", "xla ops", "steps", "tensorflow ops",
+            "source code", "launch stats")
+    dev = [e for e in dev if not any(
+        k in tname.get((e["pid"], e.get("tid")), "").lower() for k in skip)]
+  host = {e["name"]: (e["ts"], e["ts"] + e.get("dur", 0)) for e in ev
+          if e.get("ph") == "X" and e.get("name") in labels}
+  res = []
+  for lab, n in zip(labels, n_calls):
+    if lab not in host or not dev:
+      res.append((None, None))
+      continue
+    t0, t1 = host[lab]
+    iv = sorted((e["ts"], e["ts"] + e.get("dur", 0)) for e in dev
+                if t0 <= e["ts"] <= t1)
+    if not iv:
+      res.append((None, None))
+      continue
+    busy, cur_s, cur_e = 0.0, iv[0][0], iv[0][1]
+    for a, b in iv[1:]:
+      if a > cur_e:
+        busy += cur_e - cur_s
+        cur_s, cur_e = a, b
+      else:
+        cur_e = max(cur_e, b)
+    busy += cur_e - cur_s
+    res.append((busy / n / 1e3, (iv[-1][1] - iv[0][0]) / n / 1e3))
+  return res
 
 
 def print_table(records):
   rows = [r for r in records if r["kernel"] != "copy" and not r.get("tune")]
+  tunes = [r for r in records if r.get("tune")]
+  if tunes:
+    print("\ntuning sweep (qwen2.5-7b, B=16, ctx=32768, sparse K=512):")
+    for r in tunes:
+      print(f"  {r['kernel']:<18}{r['tune']:<8}{r['ms']:>9.4f} ms "
+            f"(wall {r.get('wall_ms') or r['ms']:.4f})  {r.get('tuning')}")
   copy = [r for r in records if r["kernel"] == "copy"]
   if copy:
     print(f"\ncopy bandwidth: {copy[0]['bw_tbs']:.3f} TB/s  "
           f"({copy[0]['device']}, jax {copy[0]['jax_version']})")
   hdr = (f"{'kernel':<26}{'model':<13}{'B':>3}{'ctx':>7}{'K':>6}{'rag':>4}"
-         f"{'ms':>10}{'TB/s':>7}{'bw%':>6}{'x dec':>8}")
+         f"{'ms':>10}{'wall_ms':>9}{'TB/s':>7}{'bw%':>6}{'x dec':>8}")
   print(hdr)
   for r in rows:
     sp = r.get("speedup_vs_decode_attention")
@@ -448,9 +621,12 @@ def print_table(records):
       extra = f"  {100 * r['ratio_vs_28x_decode']:.2f}% of 28xdecode"
     if r.get("srh_layout"):
       extra += f" [{r['srh_layout']}]"
+    if r.get("rel_err_vs_reference") is not None:
+      extra += f" err={r['rel_err_vs_reference']:.1e}"
     print(f"{r['kernel']:<26}{str(r['model']):<13}{r['batch']:>3}"
           f"{r['context']:>7}{str(r.get('budget') or '-'):>6}"
           f"{'y' if r.get('ragged') else '':>4}{r['ms']:>10.4f}"
+          f"{r.get('wall_ms') or r['ms']:>9.4f}"
           f"{r['bw_tbs']:>7.2f}{(100 * bw if bw else 0):>6.1f}"
           f"{(sp or 0):>8.2f}{extra}")
 
@@ -528,6 +704,7 @@ def main(argv):
     FLAGS.batches = ["2"]
     FLAGS.budgets = ["8", "16"]
     FLAGS.srh_models = ["tiny"]
+    FLAGS.srh_budgets = ["8"]
     FLAGS.inner = 2
     FLAGS.repeats = 2
     FLAGS.warmup = 1
@@ -552,6 +729,7 @@ def main(argv):
   if FLAGS.tune:
     b.tune()
   b.grid()
+  b.guard("flush", b.flush)
   b.save()
   print_table(b.records)
   plot(b.records, png_path)

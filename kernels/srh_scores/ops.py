@@ -44,16 +44,46 @@ def srh_scores(q, k, lengths, kv_head, *, q_valid=None, reduce="sum",
                         **tuning)
 
 
-def select_topk(scores, k) -> tuple[jax.Array, jax.Array]:
-  """Top-k of scores along the last axis: (values, int32 indices).
+def select_topk(scores, k, *, method="auto", segment=None
+                ) -> tuple[jax.Array, jax.Array]:
+  """Top-k of scores along the last axis: (values, int32 indices), sorted by
+  value (descending; ties: lower index first, as lax.top_k).
 
-  lax.top_k on GPU/CPU (exact); lax.approx_max_k on TPU (its fast path).
+  method: "auto" (lax.approx_max_k on TPU, lax.top_k elsewhere), "lax"
+  (lax.top_k), or "two_stage": exact top-k of each ``segment``-long slice
+  (segment >= k) and then of those candidates, both with lax.top_k (sorts of
+  short rows instead of one long sort; same result, ties included).
   """
-  if common.backend() == "tpu":
+  if method == "auto":
+    method = "approx" if common.backend() == "tpu" else "lax"
+  if method == "approx":
     vals, idx = lax.approx_max_k(scores, k)
-  else:
+  elif method == "lax":
     vals, idx = lax.top_k(scores, k)
+  elif method == "two_stage":
+    vals, idx = _topk_two_stage(scores, k, segment or max(4 * k, 2048))
+  else:
+    raise ValueError(f"unknown method {method!r}")
   return vals, idx.astype(jnp.int32)
+
+
+def _topk_two_stage(scores, k, segment):
+  *lead, n = scores.shape
+  if segment < k:
+    raise ValueError(f"segment={segment} must be >= k={k}")
+  if n <= segment:
+    return lax.top_k(scores, k)
+  nseg = common.cdiv(n, segment)
+  x = scores
+  if nseg * segment != n:
+    pad = [(0, 0)] * len(lead) + [(0, nseg * segment - n)]
+    x = jnp.pad(x, pad, constant_values=-jnp.inf)
+  v1, i1 = lax.top_k(x.reshape(*lead, nseg, segment), k)
+  i1 = i1 + (jnp.arange(nseg, dtype=i1.dtype) * segment)[:, None]
+  v1 = v1.reshape(*lead, nseg * k)
+  i1 = i1.reshape(*lead, nseg * k)
+  vals, j = lax.top_k(v1, k)
+  return vals, jnp.take_along_axis(i1, j, axis=-1)
 
 
 def srh_scores_bytes(B, S_live, D, kv_head, T, itemsize=2):

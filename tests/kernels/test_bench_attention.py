@@ -33,3 +33,23 @@ def test_bench_smoke(tmp_path):
   assert sorted(r["budget"] for r in sv) == [8, 16]
   assert all(r["bytes"] < dec[0]["bytes"] for r in sv)
   assert any("ratio_vs_28x_decode" in r for r in recs)
+
+
+def test_parse_device_times_unions_gpu_stream_kernels():
+  from scripts.bench_attention import parse_device_times
+  M = lambda pid, tid, kind, name: dict(ph="M", pid=pid, tid=tid, name=kind,
+                                        args=dict(name=name))
+  X = lambda pid, tid, ts, dur, name="k": dict(ph="X", pid=pid, tid=tid,
+                                               ts=ts, dur=dur, name=name)
+  ev = [M(1, 0, "process_name", "/host:CPU"),
+        M(2, 0, "process_name", "/device:GPU:0"),
+        M(2, 7, "thread_name", "Stream #13(compute)"),
+        M(2, 8, "thread_name", "XLA Ops"),
+        X(1, 0, 100, 100, "a"), X(1, 0, 300, 100, "b"),
+        X(2, 7, 110, 10), X(2, 7, 115, 10), X(2, 7, 150, 20),  # a: 15 + 20
+        X(2, 8, 110, 60),  # op line: ignored
+        X(2, 7, 310, 30)]  # b
+  (busy_a, span_a), (busy_b, span_b) = parse_device_times(
+      ev, ["a", "b"], [1, 2])
+  assert abs(busy_a - 0.035) < 1e-9 and abs(span_a - 0.060) < 1e-9
+  assert abs(busy_b - 0.015) < 1e-9 and abs(span_b - 0.015) < 1e-9

@@ -88,6 +88,18 @@ def test_select_topk():
                                                 np.asarray(idx), 1), want)
 
 
+def test_select_topk_two_stage_matches_lax_with_ties():
+  sc = jax.random.uniform(jax.random.PRNGKey(4), (2, 3, 1000))
+  sc = jnp.round(sc * 50) / 50  # many ties
+  for k in (1, 7, 64):
+    want = jax.lax.top_k(sc, k)
+    got = ops.select_topk(sc, k, method="two_stage", segment=max(k, 96))
+    np.testing.assert_array_equal(got[0], want[0])
+    np.testing.assert_array_equal(got[1], want[1])
+  with pytest.raises(ValueError):
+    ops.select_topk(sc, 8, method="two_stage", segment=4)
+
+
 # (B, T, n, Hkv, S, D, lengths, kv_head, reduce, q_valid, dtype, tuning)
 GPU_CASES = [
     (2, 5, 3, 4, 300, 64, [100, 231], (1, 1, 3), "sum",
