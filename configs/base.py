@@ -46,10 +46,11 @@ def base_config() -> ml_collections.ConfigDict:
 
   c.dustin = ml_collections.ConfigDict()
   c.dustin.policy = "full"        # full | dustin | dustin_target | dustin_draft | streaming | quest | oracle
-  c.dustin.budget = 512
-  c.dustin.n_sink = 16
-  c.dustin.n_window = 64
-  c.dustin.m = 128
+  # unset (None): from the SRH file, else 512 / 16 / 64 / half the free budget
+  c.dustin.budget = ml_collections.FieldReference(None, field_type=int)
+  c.dustin.n_sink = ml_collections.FieldReference(None, field_type=int)
+  c.dustin.n_window = ml_collections.FieldReference(None, field_type=int)
+  c.dustin.m = ml_collections.FieldReference(None, field_type=int)
   c.dustin.srh_file = ""          # JSON from scripts/profile_srh.py; "" = documented default heads
 
   c.prompt = ""

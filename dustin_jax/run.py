@@ -40,12 +40,14 @@ def validate(c) -> None:
   d = c.dustin
   need(d.policy in POLICIES, f"dustin.policy must be one of {POLICIES}, got {d.policy!r}")
   if d.policy != "full":
-    need(d.budget >= d.n_sink + d.n_window,
-         f"dustin.budget={d.budget} is smaller than dustin.n_sink + dustin.n_window = "
-         f"{d.n_sink} + {d.n_window}: raise the budget or shrink the sink/window")
-    need(0 <= d.m <= d.budget - d.n_sink - d.n_window,
-         f"dustin.m={d.m} must lie in [0, budget - n_sink - n_window = "
-         f"{d.budget - d.n_sink - d.n_window}]")
+    # (the policy checks the values it resolves from the SRH file and defaults)
+    if None not in (d.budget, d.n_sink, d.n_window):
+      need(d.budget >= d.n_sink + d.n_window,
+           f"dustin.budget={d.budget} is smaller than dustin.n_sink + dustin.n_window = "
+           f"{d.n_sink} + {d.n_window}: raise the budget or shrink the sink/window")
+      need(d.m is None or 0 <= d.m <= d.budget - d.n_sink - d.n_window,
+           f"dustin.m={d.m} must lie in [0, budget - n_sink - n_window = "
+           f"{d.budget - d.n_sink - d.n_window}]")
     if d.srh_file:
       need(os.path.isfile(d.srh_file), f"dustin.srh_file {d.srh_file!r} does not exist")
   sources = [x for x in (c.prompt, c.prompt_file, c.prompts_jsonl) if x]

@@ -90,5 +90,15 @@ def main(argv):
     print(f"wrote {c.output_json}")
 
 
+def parse_flags(argv):
+  """absl flag parsing, with config errors (unknown key, bad value) as one
+  line instead of a traceback."""
+  try:
+    return flags.FLAGS(argv)
+  except (AttributeError, KeyError, TypeError, ValueError, flags.Error) as e:
+    msg = str(e).strip("'\"").replace("\\n", " ").replace("\n", " ").replace("\\'", "'")
+    sys.exit(f"error: bad --config override: {msg}")
+
+
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=parse_flags)

@@ -188,6 +188,14 @@ def spec_step_fn(target_graphdef, target_params, draft_graphdef, draft_params,
   # 1. draft gamma tokens (+ the draft-lookahead signal)
   drafts, q, draft_cache, signals, rng = draft_phase(
       draft_graphdef, draft_params, st.draft, ds, st.signals, cfg)
+  # (evaluation-only policies, the oracle: this step's own full-cache verify
+  # queries, before selecting; costs a second target pass)
+  if getattr(cfg.policy, "full_verify_tap_layers", ()):
+    model = nnx.merge(target_graphdef, target_params)
+    block = jnp.concatenate([ds.pending[:, None], drafts], axis=1)
+    _, full, taps = model(block, st.target, tap_layers=cfg.policy.full_verify_tap_layers,
+                          impl=cfg.impl, mesh=cfg.mesh)
+    signals = cfg.policy.observe_full_verify(signals, taps, full, cfg.gamma)
   # 2. choose the verification set I_verify from the signals
   kv_indices = cfg.policy.select(signals, st.target, cfg.gamma)
   # 3. verify all gamma+1 positions at once (+ the target-historical signal)

@@ -1,0 +1,46 @@
+"""scripts.decode: a run on tiny random models, and one clear error per bad config."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+def test_decode_tiny_writes_json(tmp_path, capsys):
+  from configs import tiny
+  from scripts.decode import print_result, run
+  c = tiny.get_config()
+  c.dustin.policy = "dustin"
+  r = run(c)
+  print_result(r)
+  out = capsys.readouterr().out
+  assert "tokens/s" in out and "tau" in out and "time per phase" in out
+  assert len(r["sequences"]) == c.batch_size
+  assert all(len(s["tokens"]) == c.max_new_tokens for s in r["sequences"])
+  assert set(r["phase_ms"]) == {"draft", "select", "verify", "commit"}
+  assert 1.0 <= r["stats"]["tau"] <= c.gamma + 1
+  json.dumps(r)  # serialisable as written by --config.output_json
+
+
+def _cli(*overrides):
+  p = subprocess.run([sys.executable, "-m", "scripts.decode", "--config=configs/tiny.py",
+                      *overrides], capture_output=True, text=True, timeout=300)
+  return p.returncode, p.stderr.strip().splitlines()[-1] if p.stderr.strip() else ""
+
+
+@pytest.mark.parametrize("override,message", [
+    ("--config.gamma=0", "gamma must be >= 1"),
+    ("--config.dustin.polcy=dustin", 'Did you mean "policy"'),
+    ("--config.dustin.budget=8", "dustin.budget=8 is smaller than"),
+])
+def test_bad_config_fails_with_one_clear_message(override, message):
+  args = [override] + (["--config.dustin.policy=dustin"] if "budget" in override else [])
+  code, last = _cli(*args)
+  assert code != 0 and message in last and last.startswith("error:")
+
+
+def test_missing_checkpoint(tmp_path):
+  code, last = _cli("--config.random_weights=False", f"--config.target.checkpoint={tmp_path}/x",
+                    f"--config.draft.checkpoint={tmp_path}/y", "--config.prompt=hi")
+  assert code != 0 and "does not exist" in last
