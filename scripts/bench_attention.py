@@ -464,16 +464,16 @@ class Bench:
   # ------------------------------------------------------------ plans
   DECODE_SWEEP = [dict(block_k=64, chunk=2048), dict(block_k=64, chunk=8192),
                   dict(block_k=32, chunk=4096, num_stages=4)]
-  SPARSE_SWEEP = [  # on top of the default (block_k=64, ~2 programs/SM, fused)
+  SPARSE_SWEEP = [  # on top of the default (block_k=64, ~2 programs/SM, xla)
       dict(block_k=64, target_programs=64),
       dict(block_k=64, target_programs=64, num_stages=4),
       dict(block_k=64, target_programs=132),
-      dict(block_k=64, target_programs=264, combine="xla"),
       dict(block_k=64, target_programs=396),
-      dict(block_k=32, target_programs=264),
+      dict(block_k=64, target_programs=264, combine="fused"),
+      dict(block_k=64, target_programs=396, combine="fused"),
       dict(block_k=32, target_programs=528),
+      dict(block_k=32, target_programs=528, combine="fused"),
       dict(block_k=128, target_programs=320, num_stages=2),
-      dict(block_k=16, target_programs=528),
   ]
 
   def tune(self):
@@ -641,23 +641,39 @@ def plot(records, path):
     return
   models = sorted({r["model"] for r in recs}, key=str)
   fig, axes = plt.subplots(1, 3, figsize=(17, 4.8))
-  # (a) full-cache kernels: bandwidth share vs context at the largest batch
+  # (a) full-cache kernels: bandwidth share at the largest batch
   ax = axes[0]
   bmax = max(r["batch"] for r in recs)
-  for kern, ls in (("decode_attention", "-"), ("xla_reference", ":"),
-                   ("jax_pallas_gqa", "--")):
-    for m in models:
-      pts = sorted((r["context"], r["bw_share"]) for r in recs
-                   if r["kernel"] == kern and r["model"] == m
-                   and r["batch"] == bmax and r["bw_share"])
-      if pts:
-        ax.plot(*zip(*pts), ls, marker="o", label=f"{kern} {m}")
+  full = ("decode_attention", "xla_reference", "jax_pallas_gqa",
+          "jax_pallas_gqa_T5_packed")
+  ctxs = sorted({r["context"] for r in recs if r["kernel"] in full
+                 and r["batch"] == bmax})
+  if len(ctxs) > 1:
+    for kern, ls in zip(full, ("-", ":", "--", "-.")):
+      for m in models:
+        pts = sorted((r["context"], r["bw_share"]) for r in recs
+                     if r["kernel"] == kern and r["model"] == m
+                     and r["batch"] == bmax and r["bw_share"])
+        if pts:
+          ax.plot(*zip(*pts), ls, marker="o", label=f"{kern} {m}")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("context")
+    ax.legend(fontsize=6)
+  else:
+    width = 0.8 / len(full)
+    for i, kern in enumerate(full):
+      vals = [next((r["bw_share"] for r in recs if r["kernel"] == kern
+                    and r["model"] == m and r["batch"] == bmax), 0) or 0
+              for m in models]
+      ax.bar([x + i * width for x in range(len(models))], vals, width,
+             label=kern)
+    ax.set_xticks([x + 0.4 - width / 2 for x in range(len(models))])
+    ax.set_xticklabels(models, fontsize=8)
+    ax.legend(fontsize=7, loc="lower right", framealpha=0.9)
   ax.axhline(0.85, color="gray", lw=0.8)
-  ax.set_xscale("log", base=2)
-  ax.set_xlabel("context")
-  ax.set_ylabel("share of copy bandwidth")
-  ax.set_title(f"full-cache verify attention, B={bmax}")
-  ax.legend(fontsize=6)
+  ax.set_ylabel("share of copy bandwidth (read+write copy)")
+  ax.set_title(f"full-cache verify attention, B={bmax}, "
+               f"ctx={'/'.join(str(c) for c in ctxs)}")
   # (b) sparse speedup vs budget at the largest context x batch
   ax = axes[1]
   cmax = max(r["context"] for r in recs)

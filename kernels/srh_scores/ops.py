@@ -49,13 +49,23 @@ def select_topk(scores, k, *, method="auto", segment=None
   """Top-k of scores along the last axis: (values, int32 indices), sorted by
   value (descending; ties: lower index first, as lax.top_k).
 
-  method: "auto" (lax.approx_max_k on TPU, lax.top_k elsewhere), "lax"
-  (lax.top_k), or "two_stage": exact top-k of each ``segment``-long slice
-  (segment >= k) and then of those candidates, both with lax.top_k (sorts of
-  short rows instead of one long sort; same result, ties included).
+  method: "auto" (TPU: lax.approx_max_k; GPU: "two_stage" when the row is
+  longer than one segment, else lax.top_k; CPU: lax.top_k), "lax"
+  (lax.top_k), "approx" (lax.approx_max_k) or "two_stage": exact top-k of
+  each ``segment``-long slice (segment >= k, default max(4k, 2048)) and then
+  of those candidates, both with lax.top_k: sorts of short rows instead of
+  one long sort, same values and indices as lax.top_k (ties: lower index).
+  On the H200 at [16, 34816] it takes 0.110 ms for k=512 and 0.147 ms for
+  k=2048 against lax.top_k's 0.178 ms (kernels/NOTES.md).
   """
   if method == "auto":
-    method = "approx" if common.backend() == "tpu" else "lax"
+    plat = common.backend()
+    if plat == "tpu":
+      method = "approx"
+    elif plat == "gpu" and scores.shape[-1] > (segment or max(4 * k, 2048)):
+      method = "two_stage"
+    else:
+      method = "lax"
   if method == "approx":
     vals, idx = lax.approx_max_k(scores, k)
   elif method == "lax":
