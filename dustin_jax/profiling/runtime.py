@@ -1,0 +1,238 @@
+"""Shared machinery of the offline profiling and the long-context evaluation.
+
+* `load_pair("real" | "tiny")`: the real offline pair of EVAL_ASSETS.md
+  (Qwen2.5-Coder-1.5B target, 0.5B draft, their tokenizer) or two tiny random
+  models with a byte tokenizer (smoke tests);
+* `prefill_base`: ONE prefill of both models per batch of prompts; every
+  policy then starts from a copy of those caches (`fresh_state`), since the
+  jitted step donates its state;
+* `run_policy`: the speculative loop from such a state, optionally through
+  `selection.arr.arr_step` (ARR measured at every step, the Oracle runs
+  there), with per-step hooks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dustin_jax.cache import KVCache
+from dustin_jax.generate import DecodeState, DecodeStats, Model, collect, prefill
+from dustin_jax.spec.step import SpecConfig, SpecState, spec_step
+
+REAL_TARGET = "qwen2.5-coder-1.5b-instruct"
+REAL_DRAFT = "qwen2.5-coder-0.5b-instruct"
+QWEN_EOS = (151643, 151645)
+
+
+class ByteTokenizer:
+  """A byte-level tokenizer for the tiny random models of the smoke tests
+  (ids = bytes + 3; 0..2 unused)."""
+  vocab_size = 259
+  eos_ids: tuple[int, ...] = ()
+
+  def encode(self, text: str) -> list[int]:
+    return [b + 3 for b in text.encode("utf-8")]
+
+  def decode(self, ids: Sequence[int]) -> str:
+    return bytes(max(0, int(i) - 3) for i in ids if 3 <= int(i) < 259).decode("utf-8", "replace")
+
+
+class HFTokenizer:
+  """The same two methods over a Hugging Face tokenizer (no special tokens)."""
+
+  def __init__(self, tok, eos_ids=QWEN_EOS):
+    self.tok = tok
+    self.eos_ids = tuple(eos_ids)
+
+  def encode(self, text: str) -> list[int]:
+    return list(self.tok(text, add_special_tokens=False)["input_ids"])
+
+  def decode(self, ids: Sequence[int]) -> str:
+    return self.tok.decode([int(i) for i in ids], skip_special_tokens=True)
+
+
+@dataclasses.dataclass
+class Pair:
+  target: Model
+  draft: Model
+  tokenizer: object
+  target_name: str
+  draft_name: str
+
+  @property
+  def model_name(self) -> str:
+    return f"{self.target_name}+{self.draft_name}"
+
+
+def tiny_config(vocab: int = 259, layers: int = 3, hidden: int = 64, heads: int = 4,
+                kv_heads: int = 2):
+  from dustin_jax.config import ModelConfig
+  return ModelConfig.from_hf(dict(
+      model_type="qwen2", vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+      num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+      max_position_embeddings=8192, rope_theta=1e4, tie_word_embeddings=True),
+      dtype="float32")
+
+
+def _noisy(model: Model, scale: float, seed: int) -> Model:
+  leaves, tree = jax.tree_util.tree_flatten(model.state)
+  keys = jax.random.split(jax.random.key(seed), len(leaves))
+  noisy = [x + scale * jnp.std(x) * jax.random.normal(k, x.shape, x.dtype)
+           for x, k in zip(leaves, keys)]
+  return Model(model.cfg, model.graphdef, jax.tree_util.tree_unflatten(tree, noisy))
+
+
+def _random_model(cfg, seed: int) -> Model:
+  """Random weights with a normal init (std 0.2 on matrices) so that the
+  attention is peaked enough to be worth selecting from."""
+  from dustin_jax import weights
+  graphdef, state = weights.random_params(cfg, seed=seed)
+  leaves, tree = jax.tree_util.tree_flatten(state)
+  keys = jax.random.split(jax.random.key(seed), len(leaves))
+  out = [jax.random.normal(k, x.shape, x.dtype) * 0.2 if x.ndim >= 2 else x
+         for x, k in zip(leaves, keys)]
+  return Model(cfg, graphdef, jax.tree_util.tree_unflatten(tree, out))
+
+
+def load_pair(kind: str = "real", *, progress: bool = False) -> Pair:
+  """The model pair: "real" (the offline Qwen2.5-Coder 1.5B / 0.5B, f32) or
+  "tiny" (random 3-layer models with a byte tokenizer; the draft is a noisy
+  copy of the target, so the draft agrees with it often but not always)."""
+  if kind == "tiny":
+    cfg = tiny_config()
+    target = _random_model(cfg, seed=0)
+    return Pair(target, _noisy(target, 0.3, seed=1), ByteTokenizer(), "tiny-target", "tiny-draft")
+  if kind != "real":
+    raise ValueError(f"unknown model pair {kind!r}: 'real' or 'tiny'")
+  from dustin_jax.assets import ensure_model, load_tokenizer
+  from dustin_jax.weights import load_gguf_checkpoint
+  t = ensure_model(REAL_TARGET, progress=progress)
+  d = ensure_model(REAL_DRAFT, progress=progress)
+  target = Model(*load_gguf_checkpoint(str(t), dtype="float32"))
+  release_host_memory()
+  draft = Model(*load_gguf_checkpoint(str(d), dtype="float32"))
+  release_host_memory()
+  return Pair(target, draft, HFTokenizer(load_tokenizer(t)), REAL_TARGET, REAL_DRAFT)
+
+
+def release_host_memory() -> None:
+  """Give the dequantisation temporaries back to the OS (glibc keeps freed
+  heap otherwise: ~2 GB for the real pair, which matters on a 24 GB host)."""
+  import ctypes
+  import gc
+  gc.collect()
+  try:
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+  except OSError:
+    pass
+
+
+# --------------------------------------------------------------- states
+@dataclasses.dataclass
+class Base:
+  """Both caches prefilled with `prompt[:-1]` (never donated: copy first)."""
+  target: KVCache
+  draft: KVCache
+  prompts: list
+  max_len: int
+  prefill_s: float
+
+
+def prefill_base(pair: Pair, prompts: Sequence[Sequence[int]], max_len: int, *,
+                 chunk: int = 256, progress: bool = False) -> Base:
+  if min(len(p) for p in prompts) < 2:
+    raise ValueError("speculative decoding needs prompts of at least 2 tokens")
+  if max(len(p) for p in prompts) > max_len:
+    raise ValueError(f"a prompt of {max(len(p) for p in prompts)} tokens does not fit "
+                     f"max_len={max_len}")
+  t0 = time.perf_counter()
+  b = len(prompts)
+  tc = prefill(pair.target, KVCache.init(pair.target.cfg, b, max_len), prompts, chunk=chunk,
+               progress=progress)
+  dc = prefill(pair.draft, KVCache.init(pair.draft.cfg, b, max_len), prompts, chunk=chunk,
+               progress=progress)
+  jax.block_until_ready((tc, dc))
+  return Base(tc, dc, [list(p) for p in prompts], max_len, time.perf_counter() - t0)
+
+
+def fresh_state(base: Base, policy, max_new_tokens: int, seed: int = 0) -> SpecState:
+  """A SpecState over copies of the base caches (the step donates its state)."""
+  copy = lambda t: jax.tree_util.tree_map(jnp.copy, t)
+  ds = DecodeState.init(base.prompts, max_new_tokens, jax.random.key(seed))
+  return SpecState(copy(base.target), copy(base.draft), ds,
+                   policy.init(len(base.prompts), base.max_len))
+
+
+@dataclasses.dataclass
+class RunResult:
+  tokens: list                      # per sequence, emitted tokens
+  stats: DecodeStats
+  arr_sum: float = 0.0              # over active (sequence, step) pairs
+  arr_n: int = 0
+  accepted_per_seq: list = dataclasses.field(default_factory=list)
+  steps_per_seq: list = dataclasses.field(default_factory=list)
+
+  @property
+  def arr(self) -> float | None:
+    return self.arr_sum / self.arr_n if self.arr_n else None
+
+
+def run_policy(pair: Pair, base: Base, policy, *, gamma: int, max_new_tokens: int,
+               eos_ids: tuple[int, ...] = (), measure_arr: bool = False, seed: int = 0,
+               on_step: Callable | None = None, progress: bool = False) -> RunResult:
+  """Greedy speculative decoding of `base`'s prompts under `policy`.
+
+  measure_arr: run `arr_step(verify="sparse")` (the policy's own sparse
+  verification, plus one full-cache target pass that measures ARR; the
+  Oracle needs it). `on_step(state, out, arr_or_None)` after each step."""
+  from dustin_jax.selection.arr import arr_step
+  cfg = SpecConfig(gamma=gamma, eos_ids=tuple(eos_ids), policy=policy)
+  need_arr = measure_arr or getattr(policy, "name", "") == "oracle"
+  st = fresh_state(base, policy, max_new_tokens, seed)
+  b = len(base.prompts)
+  stats = DecodeStats(gamma=gamma)
+  res = RunResult([], stats, accepted_per_seq=[0] * b, steps_per_seq=[0] * b)
+  outs = []
+  t, d = pair.target, pair.draft
+  from tqdm.auto import tqdm
+  bar = tqdm(total=max_new_tokens * b, desc=f"{getattr(policy, 'name', '?')} g{gamma}",
+             disable=not progress, leave=False)
+  t0 = time.perf_counter()
+  while True:
+    arr = None
+    if need_arr:
+      st, out, arr, _ = arr_step(t.graphdef, t.state, d.graphdef, d.state, st, cfg=cfg,
+                                 verify="sparse")
+    else:
+      st, out = spec_step(t.graphdef, t.state, d.graphdef, d.state, st, cfg=cfg)
+    if on_step is not None:
+      on_step(st, out, arr)
+    tokens, n, n_acc, active, arr_h = jax.device_get(
+        (out.tokens, out.n_emitted, out.n_accepted, out.active, arr))
+    outs.append(tokens)
+    stats.steps += 1
+    stats.tokens += int(n.sum())
+    stats.seq_steps += int(active.sum())
+    stats.accepted += int(n_acc.sum())
+    for i in range(b):
+      if active[i]:
+        res.accepted_per_seq[i] += int(n_acc[i])
+        res.steps_per_seq[i] += 1
+    if arr_h is not None and active.any():
+      res.arr_sum += float(np.asarray(arr_h)[active].sum())
+      res.arr_n += int(active.sum())
+    bar.update(int(n.sum()))
+    if bool(np.all(jax.device_get(st.decode.done))):
+      break
+  stats.decode_s = time.perf_counter() - t0
+  stats.prefill_s = base.prefill_s
+  bar.close()
+  res.tokens = collect(outs)
+  del st
+  return res
