@@ -40,8 +40,9 @@ flags.DEFINE_list("models", ["qwen7b", "llama3_8b"], "qwen7b (7B + 0.5B) and/or 
 flags.DEFINE_list("contexts", ["8192", "16384", "32768"], "context lengths")
 flags.DEFINE_list("batches", ["16", "8", "1"], "batch sizes")
 flags.DEFINE_list("gammas", ["4"], "draft lengths")
-flags.DEFINE_list("methods", ["vanilla", "vanilla_xla", "sd_full", "sd_magicdec", "dustin",
-                              "streaming", "quest"], "methods")
+flags.DEFINE_list("methods", ["vanilla", "sd_full", "dustin", "sd_magicdec", "streaming",
+                              "vanilla_xla", "quest"], "methods, in the order they run")
+flags.DEFINE_list("phase_batches", ["16", "2"], "batches whose steps are also timed per phase")
 flags.DEFINE_integer("budget", 512, "KV budget of the sparse methods")
 flags.DEFINE_integer("n_sink", 16, "attention-sink rows always verified")
 flags.DEFINE_integer("n_window", 64, "recent rows always verified")
@@ -58,8 +59,9 @@ POLICY = {"sd_full": "full", "sd_magicdec": "full", "dustin": "dustin", "streami
 
 
 def _pairs():
-  from configs import shapes, tiny
+  from configs import shapes
   if FLAGS.smoke:
+    from configs import tiny  # (imports ml_collections, absent on the GPU machine)
     return {"tiny": (tiny.tiny_hf(4), tiny.tiny_hf(2))}
   return {"qwen7b": (shapes.QWEN25_7B, shapes.QWEN25_05B),
           "llama3_8b": (shapes.LLAMA3_8B, shapes.LLAMA32_1B)}
@@ -109,7 +111,7 @@ def bench_vanilla(target, cache, context, impl, repeats):
   return ms, state["cache"]
 
 
-def bench_spec(target, draft, tcache, dcache, context, cfg, repeats):
+def bench_spec(target, draft, tcache, dcache, context, cfg, repeats, phases=True):
   """(fused step ms, {phase: ms}, temp bytes of the compiled step, caches)."""
   import jax
   import jax.numpy as jnp
@@ -134,6 +136,8 @@ def bench_spec(target, draft, tcache, dcache, context, cfg, repeats):
     st["s"] = reset(s)
     return out.tokens
   ms = _timed(step, repeats)
+  if not phases:
+    return ms, None, temp, st["s"].target, st["s"].draft
   phases, s = time_phases_donated(target, draft, st["s"], cfg, repeats, reset)
   if cfg.policy.draft_tap_layers or cfg.policy.target_tap_layers:
     # the scorings run inside draft and verify; this times them on their own
@@ -245,8 +249,9 @@ def main(argv):
                                  draft_kv="full" if method == "sd_full" else "streaming")
                 tcache = tcache.with_lengths(np.full((batch,), context, np.int32))
                 dcache = dcache.with_lengths(np.full((batch,), context, np.int32))
-                ms, phases, temp, tcache, dcache = bench_spec(target, draft, tcache, dcache,
-                                                             context, cfg, FLAGS.repeats)
+                ms, phases, temp, tcache, dcache = bench_spec(
+                    target, draft, tcache, dcache, context, cfg, FLAGS.repeats,
+                    phases=str(batch) in FLAGS.phase_batches)
                 key = (POLICY[method], gamma, FLAGS.budget if POLICY[method] != "full" else 0)
                 t = taus.get(key)
                 rec.update(step_ms=ms, phase_ms=phases, compiled_temp_bytes=temp,

@@ -6,18 +6,17 @@ import pytest
 
 
 def test_bench_e2e_smoke_schema(tmp_path):
-  from absl import flags
-  from scripts import bench_e2e
+  import subprocess
+  import sys
   tau = tmp_path / "tau.json"
   tau.write_text(json.dumps([{"policy": "full", "gamma": 2, "budget": 0, "tau": 2.5,
                               "source": "test", "context": 64},
                              {"policy": "dustin", "gamma": 2, "budget": 32, "tau": 2.0}]))
-  argv = ["bench_e2e", "--smoke", "--models=tiny", f"--out_dir={tmp_path}", "--batches=2",
+  argv = [sys.executable, "-m", "scripts.bench_e2e", "--smoke", "--models=tiny", f"--out_dir={tmp_path}", "--batches=2",
           "--gammas=2", "--repeats=1", "--budget=32", "--n_sink=4", "--n_window=8", "--m=8", f"--tau_json={tau}",
           "--methods=vanilla,sd_full,dustin"]
-  flags.FLAGS.unparse_flags()
-  flags.FLAGS(argv)
-  bench_e2e.main(argv)
+  p = subprocess.run(argv, capture_output=True, text=True, timeout=600)
+  assert p.returncode == 0, p.stderr[-2000:]
   recs = json.loads((tmp_path / "e2e.json").read_text())
   assert (tmp_path / "e2e.png").exists()
   keys = {"method", "model", "batch", "context", "gamma", "step_ms", "phase_ms", "tau",
