@@ -1,0 +1,500 @@
+r"""Long-context evaluation of the selection policies on a target/draft pair.
+
+  # the early tau table (results/eval/tau.json): full, dustin, streaming,
+  # quest at budget 512, gamma 2/4/6, one 4k python-stdlib context
+  python -m scripts.eval_longctx --only_tau
+
+  # the main evaluation (results/eval/longctx.json + README.md + PNG)
+  python -m scripts.eval_longctx --contexts=4096,8192 --budgets=512
+
+  # smoke run on tiny random models (tests/test_eval_smoke.py)
+  python -m scripts.eval_longctx --pair=tiny --contexts=96 --budgets=16 ...
+
+Per context, ONE prefill per batch of prompts; every policy and budget then
+starts from a copy of the caches. Decoding is greedy speculative decoding
+(gamma = 4 unless --gamma), the target verifying against each policy's
+I_verify (`selection.arr.arr_step(verify="sparse")`, so the ARR of the set
+the policy actually used is measured at every step against the target's
+full attention at the same verify queries).
+
+Metrics (long-format records, see README.md of the output directory):
+
+* tau: mean accepted length (accepted drafts + 1 per verify step);
+  acceptance: accepted / (gamma * steps);
+* agreement: share of the generated token positions equal to `full`'s
+  greedy output (position by position over full's length; a policy that
+  stops early counts the missing positions as disagreements);
+* arr: Attention Recovery Rate of the policy's verification sets;
+* ppl: teacher-forced perplexity of a real long text with sparse
+  verification (see `sparse_ppl`);
+* accuracy: task score (dustin_jax/eval/tasks.py) of the generated answer.
+
+Resumable: records already in the output JSON (same model, policy, budget,
+context, task, metric, seed) are skipped.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+from absl import app
+from absl import flags
+
+FLAGS = flags.FLAGS
+flags.DEFINE_enum("pair", "real", ["real", "tiny"], "real: the offline Qwen2.5-Coder "
+                  "1.5B/0.5B pair; tiny: random tiny models (smoke tests)")
+flags.DEFINE_bool("only_tau", False, "only the tau table (--tau_out)")
+flags.DEFINE_string("tau_out", "results/eval/tau.json", "output of --only_tau")
+flags.DEFINE_list("policies", ["full", "dustin", "dustin_target", "dustin_draft", "streaming",
+                               "quest", "oracle"], "policies")
+flags.DEFINE_list("budgets", ["512"], "KV budgets")
+flags.DEFINE_list("contexts", ["4096"], "context lengths in tokens")
+flags.DEFINE_list("gammas", ["2", "4", "6"], "gammas of --only_tau")
+flags.DEFINE_integer("gamma", 4, "gamma of the main evaluation")
+flags.DEFINE_list("tasks", ["passkey", "needle", "multikey", "qa", "code"],
+                  "tasks of dustin_jax/eval/tasks.py ('' for none)")
+flags.DEFINE_integer("n_items", 2, "items per task and context (one batch)")
+flags.DEFINE_integer("n_prompts", 3, "long-text continuation prompts per context (one batch)")
+flags.DEFINE_integer("max_new", 48, "tokens generated per continuation prompt")
+flags.DEFINE_string("text", "python-stdlib", "long text of the continuation prompts / tau")
+flags.DEFINE_integer("ppl_tokens", 60, "real tokens after each continuation prompt scored "
+                     "teacher-forced (sparse perplexity; a multiple of gamma + 1 is used)")
+flags.DEFINE_string("srh_file", "", "SRH JSON for the dustin* policies ('' = "
+                    "configs/srh/<target>__<draft>.json if present, else default heads)")
+flags.DEFINE_string("out_dir", "results/eval", "output directory")
+flags.DEFINE_string("out_name", "longctx.json", "records file in out_dir")
+flags.DEFINE_integer("seed", 0, "seed of the prompts and tasks")
+flags.DEFINE_bool("progress", True, "progress bars")
+flags.DEFINE_bool("report", True, "write README.md and the PNG from the records")
+
+
+# ------------------------------------------------------------------ helpers
+def srh_path(pair, flag: str) -> str:
+  if flag:
+    return flag
+  p = os.path.join("configs", "srh", f"{pair.target_name}__{pair.draft_name}.json")
+  return p if os.path.isfile(p) else ""
+
+
+def make_policy(name: str, budget: int, pair, srh_file: str):
+  """The policy `name` at `budget`, as a run config would build it; the
+  dustin* policies read `srh_file` (heads, m, sink/window; m is scaled to
+  the budget when the file was profiled at another one)."""
+  from dustin_jax.selection.policies import policy_from_config
+  from dustin_jax.selection.srh import load_srh
+  d = dict(policy=name, budget=budget, srh_file=srh_file)
+  n_sink, n_window = 16, 64
+  if budget < 4 * (n_sink + n_window):   # tiny budgets (smoke tests)
+    n_sink, n_window = max(1, budget // 16), max(8, budget // 8)
+  d.update(n_sink=n_sink, n_window=n_window)
+  free = budget - n_sink - n_window
+  if srh_file:
+    srh = load_srh(srh_file)
+    d.update(n_sink=srh.n_sink if budget == srh.budget else n_sink,
+             n_window=srh.n_window if budget == srh.budget else n_window)
+    free = budget - d["n_sink"] - d["n_window"]
+    srh_free = srh.budget - srh.n_sink - srh.n_window
+    d["m"] = min(free, round(srh.m * free / max(srh_free, 1)))
+  else:
+    d["m"] = free // 2
+  return policy_from_config(d, pair.target.cfg, pair.draft.cfg)
+
+
+def load_records(path: str) -> list[dict]:
+  if os.path.isfile(path):
+    with open(path) as f:
+      return json.load(f)
+  return []
+
+
+def save_records(path: str, records: list[dict]) -> None:
+  os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+  tmp = path + ".tmp"
+  with open(tmp, "w") as f:
+    json.dump(records, f, indent=1)
+    f.write("\n")
+  os.replace(tmp, path)
+
+
+def continuation_prompts(tok, text_name: str, n: int, ctx: int, seed: int):
+  """`n` prompts of exactly `ctx` tokens from the real text `text_name`,
+  starting at line starts chosen by `seed`. Returns (prompts, char offsets)."""
+  import numpy as np
+  from dustin_jax.eval.texts import read_text
+  text = read_text(text_name, progress=False)
+  rng = np.random.default_rng(seed)
+  prompts, offsets = [], []
+  span = ctx * 8
+  while len(prompts) < n:
+    off = int(rng.integers(0, max(1, len(text) - span)))
+    off = text.find("\n", off) + 1
+    ids = tok.encode(text[off:off + span])
+    if len(ids) < ctx:
+      continue
+    prompts.append(ids[:ctx])
+    offsets.append(off)
+  return prompts, offsets
+
+
+# --------------------------------------------------------------- tau table
+def run_tau(pair) -> list[dict]:
+  from dustin_jax.profiling.runtime import prefill_base, run_policy
+  budget = int(FLAGS.budgets[0])
+  ctx = int(FLAGS.contexts[0])
+  gammas = [int(g) for g in FLAGS.gammas]
+  prompts, offsets = continuation_prompts(pair.tokenizer, FLAGS.text, FLAGS.n_prompts, ctx,
+                                          FLAGS.seed)
+  max_len = ctx + FLAGS.max_new + max(gammas) + 2
+  srh = srh_path(pair, FLAGS.srh_file)
+  t0 = time.perf_counter()
+  base = prefill_base(pair, prompts, max_len, progress=FLAGS.progress)
+  print(f"prefill of {len(prompts)} x {ctx} tokens (both models): {base.prefill_s:.1f} s",
+        flush=True)
+  records = load_records(FLAGS.tau_out)
+  done = {(r["policy"], r["gamma"], r["budget"], r["context"], r["model"]) for r in records}
+  for name in FLAGS.policies:
+    for gamma in gammas:
+      b = 0 if name == "full" else budget
+      if (name, gamma, b, ctx, pair.model_name) in done:
+        continue
+      policy = make_policy(name, budget, pair, srh)
+      t1 = time.perf_counter()
+      res = run_policy(pair, base, policy, gamma=gamma, max_new_tokens=FLAGS.max_new,
+                       progress=FLAGS.progress)
+      s = res.stats
+      heads = ("heads: " + (srh if srh else "default (not profiled)")
+               if name.startswith("dustin") else "")
+      records.append(dict(
+          policy=name, gamma=gamma, budget=b, tau=s.tau, acceptance=s.acceptance_rate,
+          n_steps=s.seq_steps, context=ctx, model=pair.model_name,
+          source=(f"{FLAGS.text} char offsets {offsets}, {ctx}-token contexts, "
+                  f"{FLAGS.max_new} greedy tokens each, batch {len(prompts)}, no EOS stop"
+                  + (f"; {heads}" if heads else "")),
+          decode_s=round(time.perf_counter() - t1, 2)))
+      save_records(FLAGS.tau_out, records)
+      print(f"{name:14s} gamma={gamma} budget={b}: tau={s.tau:.3f} acc={s.acceptance_rate:.3f} "
+            f"({time.perf_counter() - t1:.1f} s)", flush=True)
+  print(f"tau table: {time.perf_counter() - t0:.1f} s -> {FLAGS.tau_out}", flush=True)
+  return records
+
+
+def main(argv):
+  del argv
+  from dustin_jax.profiling.runtime import load_pair
+  t0 = time.perf_counter()
+  pair = load_pair(FLAGS.pair, progress=FLAGS.progress)
+  print(f"loaded {pair.model_name} in {time.perf_counter() - t0:.1f} s", flush=True)
+  if FLAGS.only_tau:
+    run_tau(pair)
+    return
+  run_eval(pair)
+
+
+# ------------------------------------------------------- sparse perplexity
+def _tf_block_fn(t_graphdef, t_params, d_graphdef, d_params, st, real, cfg):
+  """One teacher-forced block: `real[B, gamma+1]` are the true next tokens.
+
+  Exactly the speculative step with the draft's guesses replaced by the real
+  tokens: the draft runs over [prev, pending, real_1 .. real_{gamma-1}] (its
+  lookahead queries are those predicting real_1 .. real_gamma, fed to the
+  policy in one `observe_draft` call: the signals are sums/maxes over
+  queries, so one call over the gamma queries equals the step's gamma
+  calls), the policy selects I_verify, the target verifies [pending,
+  real_1 .. real_gamma] attending to I_verify plus the block
+  (`step.verify_phase`), and its logits score real_1 .. real_{gamma+1}. The
+  whole block is committed (pending <- real_{gamma+1}). The Oracle gets its
+  full-cache pass first, as in `arr_step`. Returns (state, nll f32[B, gamma+1])."""
+  import dataclasses as dc
+  import jax
+  import jax.numpy as jnp
+  from flax import nnx
+  from dustin_jax.spec.step import SpecState, verify_phase
+  policy, ds = cfg.policy, st.decode
+  gamma = cfg.gamma
+  base = st.target.lengths
+  draft = nnx.merge(d_graphdef, d_params)
+  dtoks = jnp.concatenate([ds.prev[:, None], ds.pending[:, None], real[:, :gamma - 1]], 1)
+  _, dcache, taps = draft(dtoks, st.draft.with_lengths(base - 1),
+                          tap_layers=policy.draft_tap_layers, impl=cfg.impl)
+  taps = {l: q[:, 1:] for l, q in taps.items()}
+  signals = policy.observe_draft(st.signals, taps, dcache.with_lengths(base), 0)
+  drafts = real[:, :gamma]
+  if hasattr(policy, "observe_full_verify"):
+    target = nnx.merge(t_graphdef, t_params)
+    block = jnp.concatenate([ds.pending[:, None], drafts], 1)
+    _, full, ftaps = target(block, st.target, tap_layers=policy.full_verify_tap_layers,
+                            impl=cfg.impl)
+    signals = policy.observe_full_verify(signals, ftaps, full, gamma)
+  kv = policy.select(signals, st.target, gamma)
+  logits, tcache, signals = verify_phase(t_graphdef, t_params, st.target, ds, drafts, kv,
+                                         signals, cfg)
+  logp = jax.nn.log_softmax(logits.astype(jnp.float32), -1)
+  nll = -jnp.take_along_axis(logp, real[:, :, None], -1)[..., 0]
+  n = jnp.full_like(base, gamma + 1)
+  ds = dc.replace(ds, pending=real[:, gamma], prev=real[:, gamma - 1])
+  return SpecState(tcache.commit(n), dcache.with_lengths(base + n), ds, signals), nll
+
+
+def sparse_ppl(pair, base, policy, refs, gamma):
+  """Teacher-forced perplexity of `refs[b]` (the real continuation of each
+  prompt) when every block of gamma+1 tokens is verified with the policy's
+  I_verify (see `_tf_block_fn`). Returns (ppl, n tokens)."""
+  import functools
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from dustin_jax.profiling.runtime import fresh_state
+  from dustin_jax.spec.step import SpecConfig
+  fn = _TF_CACHE.setdefault("fn", jax.jit(_tf_block_fn, static_argnames=(
+      "t_graphdef", "d_graphdef", "cfg"), donate_argnames=("st",)))
+  cfg = SpecConfig(gamma=gamma, policy=policy)
+  n_blocks = min(len(r) for r in refs) // (gamma + 1)
+  st = fresh_state(base, policy, 1)
+  t, d = pair.target, pair.draft
+  total, count = 0.0, 0
+  for i in range(n_blocks):
+    real = jnp.asarray(np.asarray([r[i * (gamma + 1):(i + 1) * (gamma + 1)] for r in refs],
+                                  np.int32))
+    st, nll = fn(t.graphdef, t.state, d.graphdef, d.state, st, real, cfg=cfg)
+    nll = np.asarray(jax.device_get(nll))
+    total += float(nll.sum())
+    count += nll.size
+  del st
+  return float(np.exp(total / max(count, 1))), count
+
+
+_TF_CACHE = {}
+
+
+# ------------------------------------------------------------ main evaluation
+def agreement(tokens, ref_tokens) -> tuple[int, int]:
+  """(matching positions, reference positions) over a batch."""
+  match = total = 0
+  for a, f in zip(tokens, ref_tokens):
+    total += len(f)
+    match += sum(1 for x, y in zip(a, f) if x == y)
+  return match, total
+
+
+def run_eval(pair):
+  import numpy as np
+  from dustin_jax.eval import tasks as tasklib
+  from dustin_jax.profiling.runtime import QWEN_EOS, prefill_base, run_policy
+  out_path = os.path.join(FLAGS.out_dir, FLAGS.out_name)
+  outputs_path = os.path.join(FLAGS.out_dir, FLAGS.out_name.replace(".json", "_outputs.json"))
+  records = load_records(out_path)
+  outputs = load_records(outputs_path) if os.path.isfile(outputs_path) else []
+  outputs = {o["key"]: o for o in outputs} if isinstance(outputs, list) else {}
+  done = {(r["model"], r["policy"], r["budget"], r["context"], r["task"], r["metric"],
+           r["seed"]) for r in records}
+  srh = srh_path(pair, FLAGS.srh_file)
+  gamma, seed = FLAGS.gamma, FLAGS.seed
+  budgets = [int(b) for b in FLAGS.budgets]
+  eos = QWEN_EOS if FLAGS.pair == "real" else ()
+  task_names = [t for t in FLAGS.tasks if t]
+  t_start = time.perf_counter()
+
+  def runs():
+    """(policy, budget) pairs; full once (budget 0)."""
+    out = [("full", 0)] if "full" in FLAGS.policies else []
+    out += [(p, b) for b in budgets for p in FLAGS.policies if p != "full"]
+    return out
+
+  def add(policy, budget, ctx, task, metric, value, n, source, extra=None):
+    r = dict(model=pair.model_name, policy=policy, budget=budget, context=ctx, task=task,
+             metric=metric, value=value, n=n, seed=seed, gamma=gamma, source=source)
+    if extra:
+      r.update(extra)
+    records.append(r)
+    done.add((pair.model_name, policy, budget, ctx, task, metric, seed))
+
+  def missing(policy, budget, ctx, task, metrics):
+    return [m for m in metrics if (pair.model_name, policy, budget, ctx, task, m, seed)
+            not in done]
+
+  def flush():
+    save_records(out_path, records)
+    save_records(outputs_path, list(outputs.values()))
+
+  for ctx in [int(c) for c in FLAGS.contexts]:
+    # ---- batches: long-text continuation (+ sparse ppl), then each task
+    batches = []
+    if FLAGS.n_prompts:
+      full_prompts, offsets = continuation_prompts(pair.tokenizer, FLAGS.text, FLAGS.n_prompts,
+                                                   ctx + FLAGS.ppl_tokens, seed)
+      batches.append(dict(
+          task=f"continuation:{FLAGS.text}", prompts=[p[:ctx] for p in full_prompts],
+          refs=[p[ctx:] for p in full_prompts], items=None, max_new=FLAGS.max_new, eos=(),
+          source=f"{FLAGS.text} char offsets {offsets}, {FLAGS.max_new} greedy tokens, "
+                 f"no EOS stop; ppl over the next {FLAGS.ppl_tokens} real tokens"))
+    for task in task_names:
+      items = tasklib.build_task(task, pair.tokenizer, ctx, FLAGS.n_items, seed=seed)
+      batches.append(dict(
+          task=task, prompts=[list(it.prompt_ids) for it in items], refs=None, items=items,
+          max_new=max(it.max_new_tokens for it in items), eos=eos,
+          source=f"dustin_jax/eval/tasks.py {task} on {tasklib.DEFAULT_TEXT[task]}, "
+                 f"{len(items)} items, seed {seed}, scorer {items[0].scorer}"))
+    max_len = ctx + max(FLAGS.max_new, FLAGS.ppl_tokens, max(tasklib.MAX_NEW.values())) \
+        + gamma + 2
+    for batch in batches:
+      task = batch["task"]
+      metrics = ["tau", "acceptance", "agreement", "arr"]
+      metrics += ["ppl"] if batch["refs"] else ["accuracy"]
+      todo = [(p, b) for p, b in runs() if missing(p, b, ctx, task, metrics)]
+      if not todo:
+        continue
+      base = prefill_base(pair, batch["prompts"], max_len, progress=FLAGS.progress)
+      print(f"[{ctx}] {task}: prefill {len(batch['prompts'])} x {ctx} tokens "
+            f"{base.prefill_s:.1f} s", flush=True)
+      full_key = f"{pair.model_name}|full|0|{ctx}|{task}|{seed}"
+      if ("full", 0) not in todo and full_key not in outputs:
+        todo.insert(0, ("full", 0))   # its tokens are the agreement reference
+      for policy_name, budget in todo:
+        policy = make_policy(policy_name, max(budget, 1) if policy_name != "full" else 512,
+                             pair, srh)
+        t1 = time.perf_counter()
+        need = missing(policy_name, budget, ctx, task, metrics)
+        res = run_policy(pair, base, policy, gamma=gamma, max_new_tokens=batch["max_new"],
+                         eos_ids=batch["eos"], measure_arr=policy_name != "full",
+                         seed=seed, progress=FLAGS.progress)
+        key = f"{pair.model_name}|{policy_name}|{budget}|{ctx}|{task}|{seed}"
+        texts = [pair.tokenizer.decode(t) for t in res.tokens]
+        outputs[key] = dict(key=key, tokens=res.tokens, texts=texts)
+        ref = outputs.get(full_key, {}).get("tokens")
+        s = res.stats
+        src = batch["source"]
+        put = lambda metric, value, n: (metric in need and add(
+            policy_name, budget, ctx, task, metric, value, n, src))
+        put("tau", s.tau, s.seq_steps)
+        put("acceptance", s.acceptance_rate, s.seq_steps * gamma)
+        put("arr", 1.0 if policy_name == "full" else res.arr, res.arr_n or s.seq_steps)
+        if ref is not None:
+          m, n = agreement(res.tokens, ref)
+          put("agreement", m / max(n, 1), n)
+        if batch["items"] is not None:
+          scores = [it.score(txt) for it, txt in zip(batch["items"], texts)]
+          put("accuracy", float(np.mean(scores)), len(scores))
+        line = f"[{ctx}] {task:28s} {policy_name:14s} b={budget:5d} tau={s.tau:.3f} " \
+               f"arr={res.arr if res.arr is not None else 1.0:.3f}"
+        if batch["items"] is not None:
+          line += f" acc={np.mean(scores):.3f}"
+        if batch["refs"] and "ppl" in need:
+          t2 = time.perf_counter()
+          ppl, n = sparse_ppl(pair, base, policy, batch["refs"], gamma)
+          add(policy_name, budget, ctx, task, "ppl", ppl, n, src)
+          line += f" ppl={ppl:.3f} ({time.perf_counter() - t2:.1f} s)"
+        flush()
+        print(f"{line} ({time.perf_counter() - t1:.1f} s)", flush=True)
+      del base
+  print(f"evaluation: {time.perf_counter() - t_start:.1f} s -> {out_path}", flush=True)
+  if FLAGS.report:
+    write_report(records, FLAGS.out_dir)
+
+
+def write_report(records, out_dir):
+  """README.md (tables) and longctx.png (tau and accuracy vs budget)."""
+  import collections
+  import numpy as np
+  by = collections.defaultdict(list)
+  for r in records:
+    by[(r["model"], r["context"], r["policy"], r["budget"], r["metric"])].append(r)
+
+  def mean_of(rs, metric):
+    """n-weighted mean over tasks (accuracy: mean over tasks)."""
+    if not rs:
+      return None
+    if metric == "accuracy":
+      return float(np.mean([r["value"] for r in rs]))
+    w = np.asarray([max(r["n"], 1) for r in rs], float)
+    return float(np.sum(w * [r["value"] for r in rs]) / w.sum())
+
+  lines = ["# Long-context evaluation", "",
+           "Generated by `scripts/eval_longctx.py` from `longctx.json` (long-format "
+           "records: model, policy, budget, context, task, metric, value, n, seed, source). "
+           "Greedy speculative decoding, gamma = "
+           f"{records[0]['gamma'] if records else '?'}; `full` = lossless verification "
+           "(budget 0 = the whole cache). tau = accepted drafts + 1 per verify step; "
+           "agreement = share of `full`'s generated tokens reproduced at the same position; "
+           "ARR = attention recovery rate of the verification sets actually used (METHOD.md "
+           "§4); ppl = teacher-forced perplexity of the real continuation with every block "
+           "of gamma+1 tokens verified against the policy's set; accuracy = task score "
+           "(dustin_jax/eval/tasks.py), averaged over tasks.", ""]
+  models = sorted({r["model"] for r in records})
+  for model in models:
+    for ctx in sorted({r["context"] for r in records if r["model"] == model}):
+      rs = [r for r in records if r["model"] == model and r["context"] == ctx]
+      tasks_here = sorted({r["task"] for r in rs})
+      lines += [f"## {model}, context {ctx}", "",
+                "| policy | budget | tau | acceptance | agreement | ARR | ppl | accuracy |"
+                + "".join(f" {t} |" for t in tasks_here if not t.startswith("continuation")),
+                "|---|---|---|---|---|---|---|---|"
+                + "---|" * len([t for t in tasks_here if not t.startswith("continuation")])]
+      keys = sorted({(r["policy"], r["budget"]) for r in rs},
+                    key=lambda k: (k[1], POLICY_ORDER.index(k[0]) if k[0] in POLICY_ORDER else 9))
+      for pol, b in keys:
+        cell = lambda metric, task=None: mean_of(
+            [r for r in rs if r["policy"] == pol and r["budget"] == b and r["metric"] == metric
+             and (task is None or r["task"] == task)], metric)
+        fmt = lambda v, d=3: "" if v is None else f"{v:.{d}f}"
+        row = (f"| {pol} | {b} | {fmt(cell('tau'))} | {fmt(cell('acceptance'))} | "
+               f"{fmt(cell('agreement'))} | {fmt(cell('arr'))} | {fmt(cell('ppl'))} | "
+               f"{fmt(cell('accuracy'))} |")
+        row += "".join(f" {fmt(cell('accuracy', t), 2)} |" for t in tasks_here
+                       if not t.startswith("continuation"))
+        lines.append(row)
+      lines.append("")
+  with open(os.path.join(out_dir, "README.md"), "w") as f:
+    f.write("\n".join(lines) + "\n")
+  plot_report(records, os.path.join(out_dir, "longctx.png"))
+
+
+POLICY_ORDER = ["full", "dustin", "dustin_draft", "dustin_target", "quest", "streaming", "oracle"]
+
+
+def plot_report(records, path):
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  import numpy as np
+  ctxs = sorted({r["context"] for r in records})
+  if not ctxs:
+    return
+  fig, axes = plt.subplots(2, len(ctxs), figsize=(5 * len(ctxs), 7), squeeze=False)
+  for j, ctx in enumerate(ctxs):
+    for i, metric in enumerate(("tau", "accuracy")):
+      ax = axes[i, j]
+      rs = [r for r in records if r["context"] == ctx and r["metric"] == metric]
+      budgets = sorted({r["budget"] for r in rs if r["budget"] > 0})
+      for pol in POLICY_ORDER:
+        pts = []
+        for b in budgets:
+          v = [r for r in rs if r["policy"] == pol and r["budget"] == b]
+          if v:
+            vals = [r["value"] for r in v]
+            w = [max(r["n"], 1) for r in v] if metric == "tau" else [1] * len(v)
+            pts.append((b, float(np.average(vals, weights=w))))
+        full = [r for r in rs if r["policy"] == pol and r["budget"] == 0]
+        if pol == "full" and full:
+          vals = [r["value"] for r in full]
+          w = [max(r["n"], 1) for r in full] if metric == "tau" else [1] * len(full)
+          ax.axhline(float(np.average(vals, weights=w)), color="k", ls="--", lw=1,
+                     label="full")
+        elif pts:
+          ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=pol, ms=4)
+      ax.set_xscale("log", base=2)
+      ax.set_xlabel("KV budget")
+      ax.set_ylabel(metric)
+      ax.set_title(f"context {ctx}: {metric}")
+      ax.grid(alpha=0.3)
+      if i == 0 and j == 0:
+        ax.legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)
+  plt.close(fig)
+
+
+if __name__ == "__main__":
+  app.run(main)
