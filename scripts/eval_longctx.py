@@ -65,6 +65,8 @@ flags.DEFINE_integer("ppl_tokens", 60, "real tokens after each continuation prom
 flags.DEFINE_string("srh_file", "", "SRH JSON for the dustin* policies ('' = "
                     "configs/srh/<target>__<draft>.json if present, else default heads)")
 flags.DEFINE_string("out_dir", "results/eval", "output directory")
+flags.DEFINE_string("kv_cache_dir", "auto", "prefilled KV caches are saved/reused here "
+                    "('auto' = <dustin_jax cache>/kv for the real pair, '' = never)")
 flags.DEFINE_string("out_name", "longctx.json", "records file in out_dir")
 flags.DEFINE_integer("seed", 0, "seed of the prompts and tasks")
 flags.DEFINE_bool("progress", True, "progress bars")
@@ -72,6 +74,15 @@ flags.DEFINE_bool("report", True, "write README.md and the PNG from the records"
 
 
 # ------------------------------------------------------------------ helpers
+def kv_cache_dir() -> str | None:
+  if FLAGS.kv_cache_dir == "auto":
+    if FLAGS.pair != "real":
+      return None
+    from dustin_jax.assets import cache_root
+    return str(cache_root() / "kv")
+  return FLAGS.kv_cache_dir or None
+
+
 def srh_path(pair, flag: str) -> str:
   if flag:
     return flag
@@ -150,7 +161,8 @@ def run_tau(pair) -> list[dict]:
   max_len = ctx + FLAGS.max_new + max(gammas) + 2
   srh = srh_path(pair, FLAGS.srh_file)
   t0 = time.perf_counter()
-  base = prefill_base(pair, prompts, max_len, progress=FLAGS.progress)
+  base = prefill_base(pair, prompts, max_len, progress=FLAGS.progress,
+                      cache_dir=kv_cache_dir())
   print(f"prefill of {len(prompts)} x {ctx} tokens (both models): {base.prefill_s:.1f} s",
         flush=True)
   records = load_records(FLAGS.tau_out)
@@ -346,7 +358,8 @@ def run_eval(pair):
       todo = [(p, b) for p, b in runs() if missing(p, b, ctx, task, metrics)]
       if not todo:
         continue
-      base = prefill_base(pair, batch["prompts"], max_len, progress=FLAGS.progress)
+      base = prefill_base(pair, batch["prompts"], max_len, progress=FLAGS.progress,
+                          cache_dir=kv_cache_dir())
       print(f"[{ctx}] {task}: prefill {len(batch['prompts'])} x {ctx} tokens "
             f"{base.prefill_s:.1f} s", flush=True)
       full_key = f"{pair.model_name}|full|0|{ctx}|{task}|{seed}"

@@ -79,14 +79,15 @@ def main(argv):
   contexts = [int(c) for c in FLAGS.contexts]
   items = calibration_items(pair.tokenizer, FLAGS.texts, contexts, FLAGS.n_items, FLAGS.seed)
   max_len = max(contexts) + FLAGS.max_new + FLAGS.gamma + 2
+  from dustin_jax.assets import cache_root
   cache_dir = FLAGS.cache_dir
   if not cache_dir:
-    from dustin_jax.assets import cache_root
     cache_dir = str(cache_root() / "calib")
   t0 = time.perf_counter()
   paths = collect.collect(pair, items, cache_dir, gamma=FLAGS.gamma, max_new=FLAGS.max_new,
                           max_len=max_len, top_n=FLAGS.top_n, resume=FLAGS.resume,
-                          progress=FLAGS.progress)
+                          progress=FLAGS.progress,
+                          kv_cache_dir=str(cache_root() / "kv") if FLAGS.pair == "real" else None)
   collect_s = time.perf_counter() - t0
   data = search.load_calib(paths)
   print(f"calibration: {len(items)} items, {data.n_steps} verify steps, "

@@ -142,3 +142,17 @@ def test_collected_search_arr_equals_the_arr_step_measurement(tmp_path):
                            verify="full")
   assert res.seq_steps == data.n_steps
   assert ours == pytest.approx(res.mean, abs=2e-3)   # float16 storage of the signals
+
+
+def test_prefill_cache_on_disk_round_trips(tmp_path):
+  from dustin_jax.profiling.runtime import load_pair, prefill_base
+  pair = load_pair("tiny")
+  prompts = [[5, 6, 7, 8, 9, 10], [11, 12, 13]]
+  a = prefill_base(pair, prompts, 16, cache_dir=str(tmp_path))
+  assert len(list(tmp_path.glob("*.npy"))) == 2
+  b = prefill_base(pair, prompts, 16, cache_dir=str(tmp_path))
+  for x, y in ((a.target, b.target), (a.draft, b.draft)):
+    np.testing.assert_array_equal(x.lengths, y.lengths)
+    for kx, ky in zip(x.k + x.v, y.k + y.v):
+      np.testing.assert_array_equal(np.asarray(kx)[:, :, :5], np.asarray(ky)[:, :, :5])
+      assert ky.shape == kx.shape

@@ -143,12 +143,12 @@ def item_key(pair, item: CalibItem, *, gamma: int, max_new: int, max_len: int, t
 
 
 def collect_item(pair, item: CalibItem, *, gamma: int, max_new: int, max_len: int,
-                 top_n: int = 1024, progress: bool = False) -> dict:
+                 top_n: int = 1024, progress: bool = False, kv_cache_dir=None) -> dict:
   """Run lossless greedy SD over one calibration prompt with the Recorder;
   returns the per-step arrays (see the module docstring)."""
   from dustin_jax.profiling.runtime import prefill_base, run_policy
   rec = recorder_for(pair)
-  base = prefill_base(pair, [item.tokens], max_len, progress=progress)
+  base = prefill_base(pair, [item.tokens], max_len, progress=progress, cache_dir=kv_cache_dir)
   idx_dtype = np.uint16 if max_len <= 65535 else np.int32
   steps = dict(lengths=[], w=[], d_idx=[], d_val=[], t_idx=[], t_val=[])
   lengths = [int(len(item.tokens) - 1)]
@@ -202,7 +202,7 @@ def _run_recorded(pair, base, rec, gamma, max_new, on_step, progress):
 
 def collect(pair, items: Sequence[CalibItem], cache_dir: str, *, gamma: int, max_new: int,
             max_len: int, top_n: int = 1024, resume: bool = True,
-            progress: bool = False) -> list[str]:
+            progress: bool = False, kv_cache_dir=None) -> list[str]:
   """Collect every item into `cache_dir` (skipping those already there when
   `resume`); returns the npz paths in item order."""
   from tqdm.auto import tqdm
@@ -213,7 +213,7 @@ def collect(pair, items: Sequence[CalibItem], cache_dir: str, *, gamma: int, max
                                             max_len=max_len, top_n=top_n))
     if not (resume and os.path.isfile(path)):
       data = collect_item(pair, item, gamma=gamma, max_new=max_new, max_len=max_len,
-                          top_n=top_n, progress=progress)
+                          top_n=top_n, progress=progress, kv_cache_dir=kv_cache_dir)
       tmp = path + ".tmp.npz"
       np.savez_compressed(tmp, **data)
       os.replace(tmp, path)

@@ -145,7 +145,11 @@ class Base:
 
 
 def prefill_base(pair: Pair, prompts: Sequence[Sequence[int]], max_len: int, *,
-                 chunk: int = 256, progress: bool = False) -> Base:
+                 chunk: int = 256, progress: bool = False, cache_dir: str | None = None) -> Base:
+  """Prefill both models once. With `cache_dir`, the committed KV rows are
+  saved there (one .npy per model, keyed by the models, prompts and
+  max_len) and a later call with the same key loads them instead of
+  recomputing (a 4k-token prefill of the real pair takes minutes on a CPU)."""
   if min(len(p) for p in prompts) < 2:
     raise ValueError("speculative decoding needs prompts of at least 2 tokens")
   if max(len(p) for p in prompts) > max_len:
@@ -153,12 +157,47 @@ def prefill_base(pair: Pair, prompts: Sequence[Sequence[int]], max_len: int, *,
                      f"max_len={max_len}")
   t0 = time.perf_counter()
   b = len(prompts)
+  path = None
+  if cache_dir:
+    import hashlib
+    import json
+    import os
+    key = hashlib.sha256(json.dumps([pair.model_name, max_len, [list(map(int, p))
+                                                                 for p in prompts]])
+                         .encode()).hexdigest()[:20]
+    os.makedirs(cache_dir, exist_ok=True)
+    path = os.path.join(cache_dir, f"kv_{key}")
+    if os.path.isfile(path + ".target.npy") and os.path.isfile(path + ".draft.npy"):
+      lengths = jnp.asarray([len(p) - 1 for p in prompts], jnp.int32)
+      tc = _load_cache(path + ".target.npy", pair.target.cfg, b, max_len, lengths)
+      dc = _load_cache(path + ".draft.npy", pair.draft.cfg, b, max_len, lengths)
+      jax.block_until_ready((tc, dc))
+      return Base(tc, dc, [list(p) for p in prompts], max_len, time.perf_counter() - t0)
   tc = prefill(pair.target, KVCache.init(pair.target.cfg, b, max_len), prompts, chunk=chunk,
                progress=progress)
   dc = prefill(pair.draft, KVCache.init(pair.draft.cfg, b, max_len), prompts, chunk=chunk,
                progress=progress)
   jax.block_until_ready((tc, dc))
+  if path is not None:
+    rows = max(len(p) for p in prompts) - 1
+    for name, c in (("target", tc), ("draft", dc)):
+      arr = np.stack([np.stack([np.asarray(k[:, :, :rows]), np.asarray(v[:, :, :rows])])
+                      for k, v in zip(c.k, c.v)])      # [L, 2, B, Hkv, rows, D]
+      tmp = f"{path}.{name}.tmp.npy"
+      np.save(tmp, arr)
+      import os
+      os.replace(tmp, f"{path}.{name}.npy")
+      del arr
   return Base(tc, dc, [list(p) for p in prompts], max_len, time.perf_counter() - t0)
+
+
+def _load_cache(path: str, cfg, batch: int, max_len: int, lengths) -> KVCache:
+  arr = np.load(path, mmap_mode="r")
+  rows = arr.shape[4]
+  pad = ((0, 0), (0, 0), (0, max_len - rows), (0, 0))
+  ks = tuple(jnp.pad(jnp.asarray(arr[l, 0], cfg.dtype), pad) for l in range(arr.shape[0]))
+  vs = tuple(jnp.pad(jnp.asarray(arr[l, 1], cfg.dtype), pad) for l in range(arr.shape[0]))
+  return KVCache(ks, vs, lengths)
 
 
 def fresh_state(base: Base, policy, max_new_tokens: int, seed: int = 0) -> SpecState:
