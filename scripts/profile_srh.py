@@ -33,6 +33,8 @@ flags.DEFINE_integer("gamma", 4, "draft tokens per step")
 flags.DEFINE_integer("budget", 512, "KV budget of the verification set")
 flags.DEFINE_integer("n_sink", 16, "attention-sink rows")
 flags.DEFINE_integer("n_window", 64, "local-window rows")
+flags.DEFINE_list("windows", [], "other local-window sizes to try for the final heads "
+                  "(m re-optimised for each; the best ARR is written)")
 flags.DEFINE_integer("head_budget", 8, "most SRHs (draft + target heads) to choose")
 flags.DEFINE_integer("heads_per_layer", 2, "heads a layer candidate brings (its best by "
                      "retrieval score)")
@@ -95,8 +97,9 @@ def main(argv):
   res = search.greedy_search(data, budget=FLAGS.budget, n_sink=FLAGS.n_sink,
                              n_window=FLAGS.n_window, head_budget=FLAGS.head_budget,
                              heads_per_layer=FLAGS.heads_per_layer, eps=FLAGS.eps,
-                             progress=FLAGS.progress)
-  print(f"search: {res.seconds:.1f} s; ARR {res.arr:.4f} with m={res.m}, draft heads "
+                             windows=[int(x) for x in FLAGS.windows], progress=FLAGS.progress)
+  print(f"search: {res.seconds:.1f} s; ARR {res.arr:.4f} with m={res.m}, n_window="
+        f"{res.n_window}, draft heads "
         f"{res.draft_heads}, target heads {res.target_heads}", flush=True)
   out = FLAGS.out or os.path.join("configs", "srh",
                                   f"{pair.target_name}__{pair.draft_name}.json")
@@ -112,6 +115,7 @@ def main(argv):
           sampling="greedy", trajectory="lossless (full verification)", top_n=FLAGS.top_n),
       search=dict(head_budget=FLAGS.head_budget, heads_per_layer=FLAGS.heads_per_layer,
                   eps=FLAGS.eps, history=res.history, m_curve=res.m_curve,
+                  window_curve=res.window_curve,
                   baselines=res.baselines,
                   best_heads=dict(draft=res.head_scores["draft"][:10],
                                   target=res.head_scores["target"][:10])),
@@ -120,7 +124,7 @@ def main(argv):
       arr_definition="METHOD.md §4 [ours], selection/arr.py; mean over calibration steps")
   srh = SRHConfig(target=pair.target_name, draft=pair.draft_name,
                   draft_heads=res.draft_heads, target_heads=res.target_heads, m=res.m,
-                  n_sink=FLAGS.n_sink, n_window=FLAGS.n_window, budget=FLAGS.budget,
+                  n_sink=FLAGS.n_sink, n_window=res.n_window, budget=FLAGS.budget,
                   arr=round(res.arr, 6), extra=extra)
   save_srh(srh, out)
   load_srh(out, pair.target.cfg, pair.draft.cfg)   # round trip: the policies can read it

@@ -156,3 +156,16 @@ def test_prefill_cache_on_disk_round_trips(tmp_path):
     for kx, ky in zip(x.k + x.v, y.k + y.v):
       np.testing.assert_array_equal(np.asarray(kx)[:, :, :5], np.asarray(ky)[:, :, :5])
       assert ky.shape == kx.shape
+
+
+def test_window_grid_prefers_a_wider_window_when_attention_is_local(tmp_path, rng):
+  n, lengths = 6, [200 + t for t in range(6)]
+  w = np.zeros((n, S), np.float32)
+  for t, ln in enumerate(lengths):
+    w[t] = peaked(rng, ln, np.arange(ln - 40, ln))   # the last 40 rows
+  noise = lambda h: rng.random((n, h, S)).astype(np.float32)
+  data = search.load_calib([write_item(tmp_path / "i.npz", w, noise(6), noise(4), lengths)])
+  res = search.greedy_search(data, budget=72, n_sink=4, n_window=8, heads_per_layer=1,
+                             head_budget=2, windows=[16, 48])
+  assert res.n_window == 48 and res.arr == pytest.approx(1.0, abs=1e-3)
+  assert [x[0] for x in res.window_curve] == [8, 16, 48]

@@ -126,6 +126,8 @@ class SearchResult:
   head_scores: dict          # {"draft": [[layer, head, score], ...], "target": ...} best first
   baselines: dict            # ARR of the sink+window-only fallbacks etc.
   seconds: float
+  n_window: int = 0          # the local window chosen (the given one unless a grid was searched)
+  window_curve: list = dataclasses.field(default_factory=list)   # [(n_window, m, arr)]
 
 
 class Evaluator:
@@ -170,7 +172,9 @@ def m_grid(free: int, points: int) -> list[int]:
 def greedy_search(data: CalibData, *, budget: int = 512, n_sink: int = 16, n_window: int = 64,
                   head_budget: int = 8, heads_per_layer: int = 2, eps: float = 1e-3,
                   grid_points: int = 9, fine_points: int = 33, pool: int = 1,
-                  progress: bool = False) -> SearchResult:
+                  windows: Sequence[int] = (), progress: bool = False) -> SearchResult:
+  """`windows`: optional other local-window sizes tried for the final heads
+  (m re-optimised for each); the best ARR wins."""
   from tqdm.auto import tqdm
   t0 = time.perf_counter()
   ev = Evaluator(data, budget, n_sink, n_window, pool)
@@ -246,12 +250,23 @@ def greedy_search(data: CalibData, *, budget: int = 512, n_sink: int = 16, n_win
     baselines["final_draft_heads_only"] = ev(ds, None, free)
   if ts is not None:
     baselines["final_target_heads_only"] = ev(None, ts, 0)
+  best_window, window_curve = n_window, [(n_window, int(cur_m), float(cur_arr))]
+  for win in sorted(set(int(x) for x in windows) - {n_window}):
+    if budget - n_sink - win < 0:
+      continue
+    ev_w = Evaluator(data, budget, n_sink, win, pool)
+    a_w, m_w, c_w = ev_w.best_m(ds, ts, m_grid(ev_w.free, fine_points), ds is not None,
+                                ts is not None)
+    window_curve.append((win, int(m_w), float(a_w)))
+    if a_w > cur_arr:
+      cur_arr, cur_m, best_window, curve = a_w, m_w, win, c_w
   return SearchResult(
       draft_heads=[list(x) for x in sorted(chosen["draft"])],
       target_heads=[list(x) for x in sorted(chosen["target"])],
       m=int(cur_m), arr=float(cur_arr), history=history,
       m_curve=[(int(x), float(y)) for x, y in curve], head_scores=head_scores,
-      baselines=baselines, seconds=time.perf_counter() - t0)
+      baselines=baselines, seconds=time.perf_counter() - t0, n_window=best_window,
+      window_curve=sorted(window_curve))
 
 
 def plot_profile(res: SearchResult, path: str, title: str = "") -> None:
