@@ -147,8 +147,8 @@ class Base:
 def prefill_base(pair: Pair, prompts: Sequence[Sequence[int]], max_len: int, *,
                  chunk: int = 256, progress: bool = False, cache_dir: str | None = None) -> Base:
   """Prefill both models once. With `cache_dir`, the committed KV rows are
-  saved there (one .npy per model, keyed by the models, prompts and
-  max_len) and a later call with the same key loads them instead of
+  saved there (one .npy per model, keyed by the models and the prompts)
+  and a later call (any max_len) with the same key loads them instead of
   recomputing (a 4k-token prefill of the real pair takes minutes on a CPU)."""
   if min(len(p) for p in prompts) < 2:
     raise ValueError("speculative decoding needs prompts of at least 2 tokens")
@@ -162,8 +162,9 @@ def prefill_base(pair: Pair, prompts: Sequence[Sequence[int]], max_len: int, *,
     import hashlib
     import json
     import os
-    key = hashlib.sha256(json.dumps([pair.model_name, max_len, [list(map(int, p))
-                                                                 for p in prompts]])
+    # rows only: any max_len >= the prompts can reuse them
+    key = hashlib.sha256(json.dumps([pair.model_name, pair.target.cfg.dtype,
+                                     [list(map(int, p)) for p in prompts]])
                          .encode()).hexdigest()[:20]
     os.makedirs(cache_dir, exist_ok=True)
     path = os.path.join(cache_dir, f"kv_{key}")
