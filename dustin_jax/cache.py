@@ -80,3 +80,16 @@ def write_rows(cache_layer: jax.Array, new: jax.Array,
   rows = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None]
   seq = jnp.broadcast_to(jnp.arange(b)[:, None], (b, t))
   return cache_layer.at[seq, :, rows].set(new.astype(cache_layer.dtype), mode="drop")
+
+
+def random_cache(cfg: ModelConfig, batch: int, max_len: int, context: int, seed: int) -> KVCache:
+  """A cache of random rows, committed up to `context` (benchmarks: speed
+  does not depend on the values, and a 32k prompt need not be prefilled)."""
+  from dustin_jax.weights import _fill
+  shape = (batch, cfg.num_kv_heads, max_len, cfg.head_dim)
+  dt = jnp.dtype(cfg.dtype)
+  def make():
+    rows = lambda s: tuple(_fill(shape, dt, "uniform", s + i) for i in range(cfg.num_layers))
+    return KVCache(k=rows(seed), v=rows(seed + 7919),
+                   lengths=jnp.full((batch,), context, jnp.int32))
+  return jax.jit(make)()

@@ -67,21 +67,6 @@ def _pairs():
           "llama3_8b": (shapes.LLAMA3_8B, shapes.LLAMA32_1B)}
 
 
-def random_cache(cfg, batch, max_len, context, seed):
-  """A cache filled with random rows up to `context`, made in place."""
-  import jax
-  import jax.numpy as jnp
-  from dustin_jax.cache import KVCache
-  from dustin_jax.weights import _fill
-  shape = (batch, cfg.num_kv_heads, max_len, cfg.head_dim)
-  dt = jnp.dtype(cfg.dtype)
-  def make():
-    rows = lambda s: tuple(_fill(shape, dt, "uniform", s + i) for i in range(cfg.num_layers))
-    return KVCache(k=rows(seed), v=rows(seed + 7919),
-                   lengths=jnp.full((batch,), context, jnp.int32))
-  return jax.jit(make)()
-
-
 def _timed(fn, repeats):
   import jax
   times = []
@@ -179,6 +164,7 @@ def main(argv):
   import jax
   import numpy as np
   from dustin_jax import sharding
+  from dustin_jax.cache import random_cache
   from dustin_jax.config import ModelConfig
   from dustin_jax.generate import Model
   from dustin_jax.selection.policies import policy_from_config

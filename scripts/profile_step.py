@@ -1,0 +1,144 @@
+r"""Where the time of one decoding step goes: device time per kernel.
+
+  python -m scripts.profile_step --out_dir=results/h200 --context=32768 --batch=16
+
+Runs the vanilla step and the dustin step (random weights of the Qwen2.5-7B /
+0.5B shapes, caches filled to `context`) under the JAX profiler and sums the
+GPU kernel time per kernel name: wall time per step, GPU busy time (the
+union of kernel intervals), and the top kernels. Writes profile_step.json.
+"""
+
+from __future__ import annotations
+
+import collections
+import glob
+import gzip
+import json
+import os
+import tempfile
+import time
+
+from absl import app
+from absl import flags
+
+flags.DEFINE_string("out_dir", "results/h200", "where profile_step.json goes")
+flags.DEFINE_integer("context", 32768, "context length")
+flags.DEFINE_integer("batch", 16, "batch size")
+flags.DEFINE_integer("gamma", 4, "draft length")
+flags.DEFINE_integer("steps", 3, "profiled steps per method")
+flags.DEFINE_integer("top", 25, "kernels listed per method")
+flags.DEFINE_bool("smoke", False, "tiny shapes (CPU)")
+FLAGS = flags.FLAGS
+
+
+def _device_events(trace_dir):
+  path = glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True)[-1]
+  with gzip.open(path) as f:
+    tr = json.load(f)
+  ev = tr["traceEvents"] if isinstance(tr, dict) else tr
+  pname = {e["pid"]: e.get("args", {}).get("name", "") for e in ev
+           if e.get("ph") == "M" and e.get("name") == "process_name"}
+  tname = {(e["pid"], e.get("tid")): e.get("args", {}).get("name", "") for e in ev
+           if e.get("ph") == "M" and e.get("name") == "thread_name"}
+  gpu = {p for p, n in pname.items() if "gpu" in n.lower()}
+  dev = [e for e in ev if e.get("ph") == "X" and e.get("pid") in gpu
+         and "stream" in tname.get((e["pid"], e.get("tid")), "").lower()]
+  return dev
+
+
+def _busy(intervals):
+  iv = sorted(intervals)
+  if not iv:
+    return 0.0
+  busy, s, e = 0.0, iv[0][0], iv[0][1]
+  for a, b in iv[1:]:
+    if a > e:
+      busy, s, e = busy + e - s, a, b
+    else:
+      e = max(e, b)
+  return busy + e - s
+
+
+def profile(fn, steps):
+  import jax
+  jax.block_until_ready(fn())  # compile + warm up
+  jax.block_until_ready(fn())
+  d = tempfile.mkdtemp(prefix="prof_step_")
+  t0 = time.perf_counter()
+  with jax.profiler.trace(d, create_perfetto_trace=True):
+    for _ in range(steps):
+      jax.block_until_ready(fn())
+  wall = (time.perf_counter() - t0) / steps
+  dev = _device_events(d)
+  per = collections.Counter()
+  count = collections.Counter()
+  for e in dev:
+    per[e["name"]] += e.get("dur", 0) / steps
+    count[e["name"]] += 1 / steps
+  busy = _busy([(e["ts"], e["ts"] + e.get("dur", 0)) for e in dev]) / steps
+  top = [dict(kernel=k[:120], us=round(v, 1), launches=round(count[k], 1))
+         for k, v in per.most_common(FLAGS.top)]
+  return dict(wall_ms=1e3 * wall, gpu_busy_ms=busy / 1e3, kernel_sum_ms=sum(per.values()) / 1e3,
+              launches=round(sum(count.values())), top=top)
+
+
+def main(argv):
+  del argv
+  import jax
+  import jax.numpy as jnp
+  from configs import shapes
+  from dustin_jax.cache import random_cache
+  from dustin_jax.config import ModelConfig
+  from dustin_jax.generate import DecodeState, Model, vanilla_step
+  from dustin_jax.sampling import SamplingConfig
+  from dustin_jax.selection.policies import policy_from_config
+  from dustin_jax.spec.step import SpecConfig, SpecState, spec_step
+  from dustin_jax.weights import random_params
+
+  thf, dhf, layers = dict(shapes.QWEN25_7B), dict(shapes.QWEN25_05B), None
+  b, ctx = FLAGS.batch, FLAGS.context
+  if FLAGS.smoke:
+    layers, b, ctx = 2, 2, 64
+  tcfg = ModelConfig.from_hf(thf, dtype="bfloat16", num_layers=layers)
+  dcfg = ModelConfig.from_hf(dhf, dtype="bfloat16", num_layers=layers)
+  target, draft = Model(tcfg, *random_params(tcfg, 0)), Model(dcfg, *random_params(dcfg, 1))
+  max_len = ctx + FLAGS.gamma + 8
+  full = jnp.full((b,), ctx, jnp.int32)
+  ds0 = DecodeState.init([[1, 2]] * b, 1 << 30, jax.random.key(0))
+  fresh = lambda: jax.tree_util.tree_map(lambda x: x.copy(), ds0)
+  out = {"device": jax.devices()[0].device_kind, "batch": b, "context": ctx,
+         "gamma": FLAGS.gamma, "jax_version": jax.__version__}
+
+  box = {"c": random_cache(tcfg, b, max_len, ctx, 11)}
+  def vstep():
+    c, _, o, _ = vanilla_step(target.graphdef, target.state, box["c"], ds0,
+                              sampling=SamplingConfig())
+    box["c"] = c.with_lengths(full.copy())
+    return o
+  out["vanilla"] = profile(vstep, FLAGS.steps)
+  print(json.dumps({"vanilla": {k: v for k, v in out["vanilla"].items() if k != "top"}}), flush=True)
+
+  policy = policy_from_config(dict(policy="dustin", budget=512, n_sink=16, n_window=64, m=128),
+                              tcfg, dcfg)
+  cfg = SpecConfig(gamma=FLAGS.gamma, policy=policy, draft_kv="streaming")
+  st = {"s": SpecState(box.pop("c"), random_cache(dcfg, b, max_len, ctx, 13), fresh(),
+                       policy.init(b, max_len))}
+  def sstep():
+    s, o = spec_step(target.graphdef, target.state, draft.graphdef, draft.state, st["s"], cfg=cfg)
+    st["s"] = SpecState(s.target.with_lengths(full.copy()), s.draft.with_lengths(full.copy()),
+                        fresh(), s.signals)
+    return o.tokens
+  out["dustin"] = profile(sstep, FLAGS.steps)
+  print(json.dumps({"dustin": {k: v for k, v in out["dustin"].items() if k != "top"}}), flush=True)
+  os.makedirs(FLAGS.out_dir, exist_ok=True)
+  with open(os.path.join(FLAGS.out_dir, "profile_step.json"), "w") as f:
+    json.dump(out, f, indent=1)
+  for m in ("vanilla", "dustin"):
+    print(f"\n{m}: wall {out[m]['wall_ms']:.2f} ms, GPU busy {out[m]['gpu_busy_ms']:.2f} ms, "
+          f"{out[m]['launches']} launches")
+    for t in out[m]["top"][:15]:
+      print(f"  {t['us']:9.1f} us  x{t['launches']:<6} {t['kernel'][:90]}")
+
+
+if __name__ == "__main__":
+  app.run(main)
