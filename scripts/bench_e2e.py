@@ -52,6 +52,8 @@ flags.DEFINE_integer("num_layers", 0, "keep only this many layers (smoke runs)")
 flags.DEFINE_string("tau_json", "results/eval/tau.json", "tau per (policy, gamma, budget)")
 flags.DEFINE_float("time_budget_s", 540, "stop starting new configs after this long")
 flags.DEFINE_bool("smoke", False, "tiny shapes on CPU (schema test)")
+flags.DEFINE_string("xla_flags", "", "appended to XLA_FLAGS before jax starts (e.g. "
+                    "--xla_gpu_enable_command_buffer=... to try CUDA graphs)")
 FLAGS = flags.FLAGS
 
 POLICY = {"sd_full": "full", "sd_magicdec": "full", "dustin": "dustin", "streaming": "streaming",
@@ -161,6 +163,8 @@ def load_tau(path):
 
 def main(argv):
   del argv
+  if FLAGS.xla_flags:
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + FLAGS.xla_flags).strip()
   import jax
   import numpy as np
   from dustin_jax import sharding
@@ -222,7 +226,8 @@ def main(argv):
               continue  # XLA reads the whole buffer: only fair where context fills it
             rec = dict(method=method, model=name, batch=batch, context=context, gamma=gamma,
                        budget=FLAGS.budget if method in ("dustin", "streaming", "quest") else None,
-                       device=device, jax_version=jax.__version__)
+                       device=device, jax_version=jax.__version__,
+                       xla_flags=os.environ.get("XLA_FLAGS", ""))
             try:
               if method.startswith("vanilla"):
                 impl = "reference" if method == "vanilla_xla" else "auto"

@@ -35,18 +35,25 @@ def shard(model: Model, mesh) -> Model:
   return Model(cfg, graphdef, sharding.shard_params(state, mesh))
 
 
+@pytest.mark.parametrize("policy", ["full", "dustin"])
 @pytest.mark.parametrize("data,model", [(1, 8), (2, 4), (8, 1)])
-def test_sharded_speculative_equals_unsharded(models, data, model, rng):
+def test_sharded_speculative_equals_unsharded(models, data, model, policy, rng):
+  from dustin_jax.selection.policies import policy_from_config
   target, draft = models
-  prompts = [rng.integers(0, 96, size=n).tolist() for n in (9, 4, 13, 6, 7, 11, 5, 8)]
-  ref, _ = generate_speculative(target, draft, prompts, max_new_tokens=10, max_len=48,
-                                cfg=SpecConfig(gamma=3))
+  prompts = [rng.integers(0, 96, size=n).tolist() for n in (29, 4, 33, 6, 27, 11, 5, 30)]
+  # a budget below the context: the dustin selection really drops rows
+  fields = dict(policy=policy, budget=16, n_sink=2, n_window=6, m=4)
+  pol = policy_from_config(fields, target.cfg, draft.cfg)
+  ref, _ = generate_speculative(target, draft, prompts, max_new_tokens=10, max_len=64,
+                                cfg=SpecConfig(gamma=3, policy=pol))
   mesh = sharding.make_mesh(data, model)
   t, d = shard(target, mesh), shard(draft, mesh)
   q = t.state["layers"][0]["self_attn"]["q_proj"]["kernel"][...]
   assert q.sharding.spec == jax.sharding.PartitionSpec(None, "model")
-  ours, _ = generate_speculative(t, d, prompts, max_new_tokens=10, max_len=48,
-                                 cfg=SpecConfig(gamma=3, mesh=mesh))
+  # the policy of the (KV-replicated) sharded models: same heads, same budget
+  pol = policy_from_config(fields, t.cfg, d.cfg)
+  ours, _ = generate_speculative(t, d, prompts, max_new_tokens=10, max_len=64,
+                                 cfg=SpecConfig(gamma=3, policy=pol, mesh=mesh))
   assert ours == ref
 
 

@@ -110,8 +110,10 @@ def draft_phase(graphdef, params, cache: KVCache, ds: DecodeState, signals, cfg:
     nxt, q = pick(logits, key)
     return (cache, nxt, signals), (nxt, q)
 
+  # unrolled: on XLA:GPU a while loop waits on the host at every iteration
   (c, _, signals), (toks, qs) = jax.lax.scan(
-      body, (cache, tok, signals), (jnp.arange(1, cfg.gamma), keys[2:]))
+      body, (cache, tok, signals), (jnp.arange(1, cfg.gamma), keys[2:]),
+      unroll=max(cfg.gamma - 1, 1))
   drafts = jnp.concatenate([tok[:, None], jnp.moveaxis(toks, 0, 1)], axis=1)
   q_all = jnp.concatenate([q[:, None], jnp.moveaxis(qs, 0, 1)], axis=1)
   rng = keys[0]
