@@ -67,3 +67,22 @@ def base_config() -> ml_collections.ConfigDict:
   c.output_json = ""
   c.progress = True
   return c
+
+
+def paper_shape_config(target_hf: dict, draft_hf: dict) -> ml_collections.ConfigDict:
+  """A paper-shape run: random weights of the real shapes (benchmarks) unless
+  `target.checkpoint` / `draft.checkpoint` point at real checkpoints; 32k
+  context, batch 16, the method with a streaming draft cache."""
+  c = base_config()
+  c.random_weights = True
+  c.target.hf_config = dict(target_hf)
+  c.draft.hf_config = dict(draft_hf)
+  c.batch_size = 16
+  c.prompt_len = 32768 - 512
+  c.max_len = 32768
+  c.max_new_tokens = 64
+  c.gamma = 4
+  c.draft_kv = "streaming"
+  c.dustin.policy = "dustin"
+  c.dustin.budget = 512
+  return c

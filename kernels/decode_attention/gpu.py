@@ -22,12 +22,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from kernels import common
-
-
-def _dot(a, b, trans_b=False):
-  prec = (lax.Precision.HIGHEST if a.dtype == jnp.float32 else None)
-  return plt.dot(a, b, trans_b=trans_b, precision=prec)
+from kernels import common, gpu_common
 
 
 def _kernel(len_ref, q_ref, k_ref, v_ref, *out_refs, T, G, Hq, M, D, BK,
@@ -69,23 +64,13 @@ def _kernel(len_ref, q_ref, k_ref, v_ref, *out_refs, T, G, Hq, M, D, BK,
       else:
         k = k_ref[b, h, pl.ds(s0, BK), :]
         v = v_ref[b, h, pl.ds(s0, BK), :]
-      s = _dot(q, k, trans_b=True) * scale_log2  # [M, BK] f32, log2 units
+      s = gpu_common.dot(q, k, trans_b=True) * scale_log2  # [M, BK] f32, log2 units
       if masked:
         s = jnp.where(pos[None, :] <= qlim[:, None], s, -jnp.inf)
-      m_new = jnp.maximum(m, jnp.max(s, axis=1))
-      if masked:  # a row may have seen no key yet: keep exp2 finite
-        m_new_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-      else:
-        m_new_safe = m_new
-      alpha = jnp.exp2(m - m_new_safe)
-      p = jnp.exp2(s - m_new_safe[:, None])
-      l = l * alpha + jnp.sum(p, axis=1)
-      o = o * alpha[:, None] + _dot(p.astype(v.dtype), v)
-      return o, m_new, l
+      # masked blocks: a row may have seen no key yet
+      return gpu_common.softmax_update(o, m, l, s, v, guard_empty=masked)
 
-    init = (jnp.zeros((M, D), jnp.float32),
-            jnp.full((M,), -jnp.inf, jnp.float32),
-            jnp.zeros((M,), jnp.float32))
+    init = gpu_common.softmax_init(M, D)
     carry = lax.fori_loop(0, n_full, functools.partial(step, masked=False),
                           init)
     o, m, l = lax.fori_loop(n_full, n_tot, functools.partial(step, masked=True),

@@ -29,12 +29,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from kernels import common
-
-
-def _dot(a, b, trans_b=False):
-  prec = (lax.Precision.HIGHEST if a.dtype == jnp.float32 else None)
-  return plt.dot(a, b, trans_b=trans_b, precision=prec)
+from kernels import common, gpu_common
 
 
 def _kernel(len_ref, idx_ref, q_ref, k_ref, v_ref, *refs, T, G, Hq, Hkv, M, D,
@@ -68,20 +63,12 @@ def _kernel(len_ref, idx_ref, q_ref, k_ref, v_ref, *refs, T, G, Hq, Hkv, M, D,
                  mask=valid[:, None], other=0.0)
     v = plt.load(v_ref.at[b, h, rows[:, None], cols[None, :]],
                  mask=valid[:, None], other=0.0)
-    s = _dot(q, k, trans_b=True) * scale_log2
+    s = gpu_common.dot(q, k, trans_b=True) * scale_log2
     allowed = valid[None, :] & (pos[None, :] <= qlim[:, None])
     s = jnp.where(allowed, s, -jnp.inf)
-    m_new = jnp.maximum(m, jnp.max(s, axis=1))
-    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-    alpha = jnp.exp2(m - m_safe)
-    p = jnp.exp2(s - m_safe[:, None])
-    l = l * alpha + jnp.sum(p, axis=1)
-    o = o * alpha[:, None] + _dot(p.astype(v.dtype), v)
-    return o, m_new, l
+    return gpu_common.softmax_update(o, m, l, s, v)
 
-  init = (jnp.zeros((M, D), jnp.float32),
-          jnp.full((M,), -jnp.inf, jnp.float32),
-          jnp.zeros((M,), jnp.float32))
+  init = gpu_common.softmax_init(M, D)
   o, m, l = lax.fori_loop(0, NBP, step, init)
   if mode == "direct":
     (out_ref,) = refs

@@ -23,12 +23,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from kernels import common
-
-
-def _dot(a, b, trans_b=False):
-  prec = (lax.Precision.HIGHEST if a.dtype == jnp.float32 else None)
-  return plt.dot(a, b, trans_b=trans_b, precision=prec)
+from kernels import common, gpu_common
 
 
 def head_tables(kv_head, T, Mq=None):
@@ -78,7 +73,7 @@ def _logits_kernel(len_ref, kvmap_ref, rowmap_ref, q_ref, k_ref,
                      other=0.0)
       else:
         k = k_ref[b, h, pl.ds(s0, BK), :]
-      s = _dot(q, k, trans_b=True) * scale_log2  # [Mq, BK]
+      s = gpu_common.dot(q, k, trans_b=True) * scale_log2  # [Mq, BK]
       st_mask = row_ok[:, None]
       if masked:
         st_mask = st_mask & live[None, :]
