@@ -26,8 +26,6 @@ on the CPU); records say which tau was used and where it came from.
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 import json
 import os
 import time

@@ -3,7 +3,6 @@ sequence stops, gather tokens and statistics."""
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from typing import Sequence
 

@@ -84,7 +84,6 @@ def _estimate(signals, draft_cache, target_cache, key, cfg: SpecConfig, draft_he
   """The method's estimation alone: gamma lookahead scorings on the draft's
   SRH layers, one historical scoring on the target's, and the selection,
   on random queries of the right shapes."""
-  import jax.numpy as jnp
   policy, b = cfg.policy, target_cache.batch
   keys = jax.random.split(key, len(policy.draft_tap_layers) + len(policy.target_tap_layers) + 1)
   def taps(layers, t, heads, ks):

@@ -16,7 +16,6 @@ decoding needs prompts of at least two tokens.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any
 
 import jax
