@@ -20,5 +20,5 @@ def get_config():
   c.max_new_tokens = 96
   c.gamma = 4
   c.dustin.policy = "full"
-  c.dustin.srh_file = __import__("os").path.join(__import__("os").path.dirname(__file__), "srh", "qwen2.5-coder-1.5b-instruct__qwen2.5-coder-0.5b-instruct.json")  # profiled SRHs (scripts/profile_srh.py)
+  c.dustin.srh_file = __import__("os").path.join(__import__("os").path.dirname(__import__("os").path.abspath(__file__)), "srh", "qwen2.5-coder-1.5b-instruct__qwen2.5-coder-0.5b-instruct.json")  # profiled SRHs (scripts/profile_srh.py)
   return c
