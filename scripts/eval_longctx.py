@@ -156,8 +156,11 @@ def run_tau(pair) -> list[dict]:
   budget = int(FLAGS.budgets[0])
   ctx = int(FLAGS.contexts[0])
   gammas = [int(g) for g in FLAGS.gammas]
-  prompts, offsets = continuation_prompts(pair.tokenizer, FLAGS.text, FLAGS.n_prompts, ctx,
-                                          FLAGS.seed)
+  # the same prompts as the main evaluation's continuation batch (same seed,
+  # n_prompts, ppl_tokens): its prefilled caches are reused from the KV cache
+  prompts, offsets = continuation_prompts(pair.tokenizer, FLAGS.text, FLAGS.n_prompts,
+                                          ctx + FLAGS.ppl_tokens, FLAGS.seed)
+  prompts = [p[:ctx] for p in prompts]
   max_len = ctx + FLAGS.max_new + max(gammas) + 2
   srh = srh_path(pair, FLAGS.srh_file)
   t0 = time.perf_counter()

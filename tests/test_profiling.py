@@ -90,6 +90,8 @@ def test_greedy_finds_a_planted_draft_head(tmp_path, rng):
   assert [1, 1] in res.draft_heads
   assert res.head_scores["draft"][0][:2] == [1, 1]
   assert res.arr == pytest.approx(1.0, abs=1e-3)   # 40 rows < free budget: all recovered
+  assert res.baselines["oracle"] == pytest.approx(1.0, abs=1e-3)
+  assert res.baselines["streaming"] < res.baselines["oracle"]
 
 
 def test_greedy_finds_a_planted_target_head_through_the_one_step_shift(tmp_path, rng):

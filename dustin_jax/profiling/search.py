@@ -181,7 +181,11 @@ def greedy_search(data: CalibData, *, budget: int = 512, n_sink: int = 16, n_win
   free = ev.free
   dl, dh = data.draft_shape
   tl, th = data.target_shape
-  baselines = {"sink_window_only": ev(None, None, 0)}
+  baselines = {"sink_window_only": ev(None, None, 0),
+               # StreamingLLM at this budget: sink + the most recent rows
+               "streaming": Evaluator(data, budget, n_sink, budget - n_sink, pool)(None, None, 0),
+               # the Oracle: the top-budget rows of the true attention (no sink/window)
+               "oracle": Evaluator(data, budget, 0, 0, 1)(jnp.asarray(data.w), None, budget)}
 
   # 1. retrieval score of every head alone
   scores = {"draft": np.zeros((dl, dh)), "target": np.zeros((tl, th))}
