@@ -462,9 +462,59 @@ def write_report(records, out_dir):
                        if not t.startswith("continuation"))
         lines.append(row)
       lines.append("")
+  lines += extra_sections(out_dir)
   with open(os.path.join(out_dir, "README.md"), "w") as f:
     f.write("\n".join(lines) + "\n")
   plot_report(records, os.path.join(out_dir, "longctx.png"))
+
+
+def extra_sections(out_dir) -> list[str]:
+  """The tau table (tau.json), the shipped SRH profile and the method notes."""
+  import glob
+  lines = []
+  tau_path = os.path.join(out_dir, "tau.json")
+  if os.path.isfile(tau_path):
+    recs = load_records(tau_path)
+    lines += ["## tau table (`tau.json`, for the GPU benchmark)", "",
+              "| model | context | policy | budget | gamma | tau | acceptance | steps |",
+              "|---|---|---|---|---|---|---|---|"]
+    for r in sorted(recs, key=lambda r: (r["context"], POLICY_ORDER.index(r["policy"])
+                                         if r["policy"] in POLICY_ORDER else 9, r["gamma"])):
+      lines.append(f"| {r['model']} | {r['context']} | {r['policy']} | {r['budget']} | "
+                   f"{r['gamma']} | {r['tau']:.3f} | {r['acceptance']:.3f} | {r['n_steps']} |")
+    if recs:
+      lines += ["", f"Source: {recs[0]['source']}", ""]
+  for path in sorted(glob.glob(os.path.join("configs", "srh", "*.json"))):
+    with open(path) as f:
+      srh = json.load(f)
+    search = srh.get("search", {})
+    cal = srh.get("calibration", {})
+    lines += [f"## SRH profile `{path}`", "",
+              f"Draft heads {srh['draft_heads']}, target heads {srh['target_heads']}, "
+              f"m = {srh['m']}, n_sink = {srh['n_sink']}, n_window = {srh['n_window']}, "
+              f"budget = {srh['budget']}: calibration ARR **{srh['arr']:.4f}** "
+              f"(baselines: {', '.join(f'{k} {v:.4f}' for k, v in search.get('baselines', {}).items())}). "
+              f"Calibration: {cal.get('n_items')} items of {cal.get('contexts')} tokens from "
+              f"{cal.get('texts')} (seed {cal.get('seed')}), {cal.get('n_steps')} verify steps "
+              f"of lossless greedy SD (gamma {cal.get('gamma')}). Runtime "
+              f"{srh.get('runtime_s')} s. Plot: `srh_profile.png`.", ""]
+  lines += ["## How the numbers are made", "",
+            "* One prefill per batch of prompts (cached on disk); every policy starts from a "
+            "copy of the caches. Decoding runs `selection.arr.arr_step(verify=\"sparse\")`: "
+            "the policy's own sparse verification, plus a full-cache target pass that measures "
+            "ARR (and in which the Oracle selects).",
+            "* Sparse perplexity: the real continuation is scored teacher-forced in blocks of "
+            "gamma+1 tokens; each block is verified exactly like a speculative step whose "
+            "draft tokens are the real ones (the draft still runs over them, so Dustin gets its "
+            "lookahead signal; the target verifies against the policy's I_verify; the next "
+            "step's target-historical signal comes from that verify).",
+            "* Tasks (dustin_jax/eval/tasks.py): passkey / needle / multi-key retrieval in KJV "
+            "text, which-chapter QA over consecutive KJV chapters, next-line code completion "
+            "on the Python standard library (edit similarity). Calibration for the SRH search "
+            "used other texts or offsets (web-bible, python-stdlib at seed 1234).",
+            "* Few items per task (CPU time): one changed answer moves a task's accuracy "
+            "by 1/n; read the accuracy columns with that granularity in mind.", ""]
+  return lines
 
 
 POLICY_ORDER = ["full", "dustin", "dustin_draft", "dustin_target", "quest", "streaming", "oracle"]
