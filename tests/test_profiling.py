@@ -172,3 +172,18 @@ def test_window_grid_prefers_a_wider_window_when_attention_is_local(tmp_path, rn
                              head_budget=2, windows=[16, 48])
   assert res.n_window == 48 and res.arr == pytest.approx(1.0, abs=1e-3)
   assert [x[0] for x in res.window_curve] == [8, 16, 48]
+
+
+@pytest.mark.parametrize("arch, tied", [("qwen2", False), ("llama", True)])
+def test_lean_gguf_loader_equals_the_plain_one(tmp_path, arch, tied):
+  import jax
+  from test_gguf_file import hf_tensors, write_tiny_gguf
+  from dustin_jax.profiling.runtime import load_gguf_lean
+  from dustin_jax.weights import load_gguf_checkpoint
+  path = tmp_path / "tiny.gguf"
+  write_tiny_gguf(path, arch, hf_tensors(arch, tied))
+  cfg_a, _, a = load_gguf_checkpoint(str(path))
+  cfg_b, _, b = load_gguf_lean(str(path))
+  assert cfg_a == cfg_b
+  for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
