@@ -50,6 +50,8 @@ flags.DEFINE_integer("num_layers", 0, "keep only this many layers (smoke runs)")
 flags.DEFINE_string("tau_json", "results/eval/tau.json", "tau per (policy, gamma, budget)")
 flags.DEFINE_float("time_budget_s", 540, "stop starting new configs after this long")
 flags.DEFINE_bool("smoke", False, "tiny shapes on CPU (schema test)")
+flags.DEFINE_string("reprice", "", "an existing e2e.json: fill in tau, tokens/s and speedups "
+                    "from --tau_json (no device needed), rewrite it and its plot")
 flags.DEFINE_string("xla_flags", "", "appended to XLA_FLAGS before jax starts (e.g. "
                     "--xla_gpu_enable_command_buffer=... to try CUDA graphs)")
 FLAGS = flags.FLAGS
@@ -159,8 +161,44 @@ def load_tau(path):
   return {(r["policy"], int(r["gamma"]), int(r.get("budget") or 0)): r for r in recs}, path
 
 
+def price(rec, taus, tau_path, vanilla_step_ms):
+  """tau (from the real pair), tokens/s and speedups of one record."""
+  method = rec["method"]
+  if method.startswith("vanilla"):
+    rec.update(tau=1.0, tau_source="vanilla")
+  else:
+    pol = POLICY[method]
+    t = taus.get((pol, rec["gamma"], rec["budget"] if pol != "full" else 0))
+    rec.update(tau=t["tau"] if t else None,
+               tau_source=(f"{tau_path}: real pair qwen2.5-coder-1.5b + 0.5b, "
+                           f"context {t.get('context')}, {t.get('source', '')}"
+                           + ("" if method == "sd_full" else
+                              "; measured with a full-cache draft (this method's streaming "
+                              "draft cache was not used for tau)") if t else "not measured"))
+  tau = rec["tau"]
+  rec["tokens_per_s"] = rec["batch"] * tau / (rec["step_ms"] / 1e3) if tau else None
+  rec["speedup_vs_vanilla"] = tau * vanilla_step_ms / rec["step_ms"] if tau and vanilla_step_ms else None
+  rec["step_speedup_vs_vanilla"] = vanilla_step_ms / rec["step_ms"] if vanilla_step_ms else None
+
+
+def reprice(path):
+  taus, tau_path = load_tau(FLAGS.tau_json)
+  with open(path) as f:
+    records = json.load(f)
+  base = {(r["model"], r["batch"], r["gamma"], r["context"]): r["step_ms"] for r in records
+          if r.get("method") == "vanilla" and r.get("step_ms")}
+  for r in records:
+    if r.get("step_ms"):
+      price(r, taus, tau_path, base.get((r["model"], r["batch"], r["gamma"], r["context"])))
+  with open(path, "w") as f:
+    json.dump(records, f, indent=1)
+  _finish(records, path)
+
+
 def main(argv):
   del argv
+  if FLAGS.reprice:
+    return reprice(FLAGS.reprice)
   if FLAGS.xla_flags:
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + FLAGS.xla_flags).strip()
   import jax
@@ -231,7 +269,7 @@ def main(argv):
                 impl = "reference" if method == "vanilla_xla" else "auto"
                 tcache = tcache.with_lengths(np.full((batch,), context, np.int32))
                 ms, tcache = bench_vanilla(target, tcache, context, impl, FLAGS.repeats)
-                rec.update(step_ms=ms, phase_ms={"verify": ms}, tau=1.0, tau_source="vanilla")
+                rec.update(step_ms=ms, phase_ms={"verify": ms})
                 vanilla_ms[(method, context)] = ms
               else:
                 cfg = SpecConfig(gamma=gamma, policy=policy,
@@ -241,19 +279,10 @@ def main(argv):
                 ms, phases, temp, tcache, dcache = bench_spec(
                     target, draft, tcache, dcache, context, cfg, FLAGS.repeats,
                     phases=str(batch) in FLAGS.phase_batches)
-                key = (POLICY[method], gamma, FLAGS.budget if POLICY[method] != "full" else 0)
-                t = taus.get(key)
-                rec.update(step_ms=ms, phase_ms=phases, compiled_temp_bytes=temp,
-                           tau=t["tau"] if t else None,
-                           tau_source=(f"{tau_path}: {t.get('source', '')} context "
-                                       f"{t.get('context', '')}" if t else "not measured"))
+                rec.update(step_ms=ms, phase_ms=phases, compiled_temp_bytes=temp)
               rec["floor_bytes"] = floor_bytes(method, tcfg, dcfg, batch, context, gamma,
                                                FLAGS.budget, policy)
-              base = vanilla_ms.get(("vanilla", context))
-              rec["tokens_per_s"] = batch * rec["tau"] / (rec["step_ms"] / 1e3) if rec["tau"] else None
-              rec["speedup_vs_vanilla"] = (rec["tau"] * base / rec["step_ms"]
-                                           if rec["tau"] and base else None)
-              rec["step_speedup_vs_vanilla"] = base / rec["step_ms"] if base else None
+              price(rec, taus, tau_path, vanilla_ms.get(("vanilla", context)))
             except Exception as e:  # noqa: BLE001 -- record and go on: one bad config
               rec["error"] = f"{type(e).__name__}: {e}"[:500]
               # a failed call may have consumed the donated caches: make new ones
