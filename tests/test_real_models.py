@@ -77,3 +77,34 @@ def test_real_pair_greedy_speculative_equals_vanilla(qwen_pair):
                                        cfg=SpecConfig(gamma=gamma))
     assert ours == ref, gamma
     assert stats.accepted > 0
+
+
+@pytest.mark.slow
+def test_real_pair_policies_full_budget_lossless_and_oracle_bounds_arr(qwen_pair):
+  """On real text with the real pair: a budget covering the context gives
+  exactly full verification for every policy; at a budget below it, the
+  oracle's ARR bounds every other policy's (same trajectory: verify="full")."""
+  from dustin_jax.eval.texts import read_text
+  from dustin_jax.selection.arr import evaluate_arr
+  from dustin_jax.selection.policies import policy_from_config
+  from dustin_jax.spec.engine import generate_speculative
+  from dustin_jax.spec.step import SpecConfig
+  target, draft, tok = qwen_pair
+  text = read_text("python-stdlib", progress=False)
+  prompts = [tok(text[20000:23000])["input_ids"][:700], tok(text[90000:92000])["input_ids"][:500]]
+  kw = dict(max_new_tokens=16, max_len=1024)
+  ref, _ = generate_speculative(target, draft, prompts, cfg=SpecConfig(gamma=4), **kw)
+  for name in ("dustin", "dustin_target", "dustin_draft", "streaming", "quest"):
+    pol = policy_from_config(dict(policy=name, budget=1024, n_sink=16, n_window=64, m=128),
+                             target.cfg, draft.cfg)
+    ours, _ = generate_speculative(target, draft, prompts, cfg=SpecConfig(gamma=4, policy=pol), **kw)
+    assert ours == ref, name
+  arr = {}
+  for name in ("oracle", "dustin", "dustin_target", "dustin_draft", "streaming", "quest"):
+    pol = policy_from_config(dict(policy=name, budget=128, n_sink=16, n_window=32, m=40),
+                             target.cfg, draft.cfg)
+    _, _, res = evaluate_arr(target, draft, prompts, cfg=SpecConfig(gamma=4, policy=pol),
+                             verify="full", max_new_tokens=12, max_len=1024)
+    arr[name] = res.mean
+  print("ARR at budget 128:", arr)
+  assert all(arr["oracle"] >= v - 1e-6 for v in arr.values()), arr
