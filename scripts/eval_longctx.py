@@ -297,7 +297,8 @@ def agreement(tokens, ref_tokens) -> tuple[int, int]:
 def run_eval(pair):
   import numpy as np
   from dustin_jax.eval import tasks as tasklib
-  from dustin_jax.profiling.runtime import QWEN_EOS, prefill_base, run_policy
+  from dustin_jax.profiling.runtime import (QWEN_EOS, prefill_base, release_host_memory,
+                                            run_policy)
   out_path = os.path.join(FLAGS.out_dir, FLAGS.out_name)
   outputs_path = os.path.join(FLAGS.out_dir, FLAGS.out_name.replace(".json", "_outputs.json"))
   records = load_records(out_path)
@@ -403,6 +404,7 @@ def run_eval(pair):
           add(policy_name, budget, ctx, task, "ppl", ppl, n, src)
           line += f" ppl={ppl:.3f} ({time.perf_counter() - t2:.1f} s)"
         flush()
+        release_host_memory()
         print(f"{line} ({time.perf_counter() - t1:.1f} s)", flush=True)
       del base
   print(f"evaluation: {time.perf_counter() - t_start:.1f} s -> {out_path}", flush=True)
