@@ -242,6 +242,10 @@ def build(c) -> dict[str, Any]:
     vocab = min(target.cfg.vocab_size, draft.cfg.vocab_size if draft else target.cfg.vocab_size)
     prompts = random_prompts(c, vocab)
   eos = eos_ids(tokenizer, target.cfg)
-  policy = make_policy(c, target.cfg, draft.cfg if draft else None)
+  if speculative:
+    policy = make_policy(c, target.cfg, draft.cfg)
+  else:  # plain decoding verifies nothing
+    from dustin_jax.selection.base import FullCache
+    policy = FullCache()
   return dict(target=target, draft=draft, tokenizer=tokenizer, prompts=prompts, eos=eos,
               spec=spec_config(c, policy, eos, mesh), mesh=mesh, memory_plan=plan)

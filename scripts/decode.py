@@ -47,7 +47,8 @@ def run(c) -> dict:
                     max_len=c.max_len, seed=c.seed, chunk=c.prefill_chunk)
     phases, _ = time_phases_donated(target, draft, st, spec, repeats=3)
   result = {
-      "method": c.method, "policy": c.dustin.policy, "gamma": c.gamma,
+      "method": c.method, "policy": c.dustin.policy if c.method == "speculative" else None,
+      "gamma": c.gamma if c.method == "speculative" else None,
       "device": str(jax.devices()[0].device_kind), "load_s": load_s,
       "mesh": dict(b["mesh"].shape),
       "memory_plan_bytes": {k: getattr(b["memory_plan"], k) for k in
@@ -65,7 +66,8 @@ def print_result(r) -> None:
     print(s["text"] if s["text"] is not None else s["tokens"])
   st = r["stats"]
   print("\n=== stats ===")
-  print(f"method {r['method']}  policy {r['policy']}  gamma {r['gamma']}  device {r['device']}")
+  spec = f"  policy {r['policy']}  gamma {r['gamma']}" if r["policy"] else ""
+  print(f"method {r['method']}{spec}  device {r['device']}")
   print(f"tokens {st['tokens']}  steps {st['steps']}  decode {st['decode_s']:.2f} s  "
         f"prefill {st['prefill_s']:.2f} s  load {r['load_s']:.1f} s")
   print(f"tokens/s {st['tokens_per_s']:.2f}  tau {st['tau']:.2f}  "

@@ -44,3 +44,13 @@ def test_missing_checkpoint(tmp_path):
   code, last = _cli("--config.random_weights=False", f"--config.target.checkpoint={tmp_path}/x",
                     f"--config.draft.checkpoint={tmp_path}/y", "--config.prompt=hi")
   assert code != 0 and "does not exist" in last
+
+
+def test_vanilla_method_ignores_the_policy():
+  from configs import tiny
+  from scripts.decode import run
+  c = tiny.get_config()
+  c.method, c.dustin.policy, c.time_phases = "vanilla", "dustin", False
+  r = run(c)
+  assert r["stats"]["tau"] == 1.0 and all(len(s["tokens"]) == c.max_new_tokens
+                                          for s in r["sequences"])
