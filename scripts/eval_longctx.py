@@ -370,6 +370,8 @@ def run_eval(pair):
       if ("full", 0) not in todo and full_key not in outputs:
         todo.insert(0, ("full", 0))   # its tokens are the agreement reference
       for policy_name, budget in todo:
+        if base is None:   # reload the prefilled rows from the disk cache (seconds)
+          base = prefill_base(pair, batch["prompts"], max_len, cache_dir=kv_cache_dir())
         policy = make_policy(policy_name, max(budget, 1) if policy_name != "full" else 512,
                              pair, srh)
         t1 = time.perf_counter()
@@ -404,6 +406,8 @@ def run_eval(pair):
           add(policy_name, budget, ctx, task, "ppl", ppl, n, src)
           line += f" ppl={ppl:.3f} ({time.perf_counter() - t2:.1f} s)"
         flush()
+        if kv_cache_dir():  # hold only the run's copy, not the base too (host memory)
+          base = None
         release_host_memory()
         print(f"{line} ({time.perf_counter() - t1:.1f} s)", flush=True)
       del base
