@@ -34,9 +34,10 @@ import json
 import math
 import os
 import statistics
-import sys
 import time
 import traceback
+
+from dustin_jax.benchmarking import load_trace_events, parse_device_times
 
 from absl import app
 from absl import flags
@@ -147,7 +148,6 @@ class Bench:
   def device_times(self, items):
     """(gpu_ms, gpu_span_ms) per call for each item, from one profiler trace."""
     import glob
-    import gzip
     import shutil
     import tempfile
     jax = self.jax
@@ -157,15 +157,12 @@ class Bench:
       for lab, it in zip(labels, items):
         with jax.profiler.TraceAnnotation(lab):
           jax.block_until_ready(it["f"](it["argsets"]))
-    path = glob.glob(os.path.join(d, "**", "perfetto_trace.json.gz"),
-                     recursive=True)[-1]
     if (FLAGS.save_trace and len(items) > 1
         and not os.path.exists(FLAGS.save_trace)):
-      shutil.copy(path, FLAGS.save_trace)
-    with gzip.open(path) as fh:
-      tr = json.load(fh)
+      shutil.copy(glob.glob(os.path.join(d, "**", "perfetto_trace.json.gz"),
+                            recursive=True)[-1], FLAGS.save_trace)
+    ev = load_trace_events(d)
     shutil.rmtree(d, ignore_errors=True)
-    ev = tr["traceEvents"] if isinstance(tr, dict) else tr
     return parse_device_times(ev, labels, [len(it["argsets"]) for it in items])
 
   def flush(self):
@@ -550,52 +547,6 @@ class Bench:
           self.guard(f"srh {layout}", lambda: self.run_srh(sh, layout, kset))
       self.guard("flush", self.flush)
       del sh
-
-
-def parse_device_times(ev, labels, n_calls):
-  """Per label: (union of GPU kernel intervals, first-to-last span), in ms
-  per call, from Chrome-trace events; device events are attributed to the
-  host annotation window they start in."""
-  pname, tname = {}, {}
-  for e in ev:
-    if e.get("ph") == "M" and e.get("name") == "process_name":
-      pname[e["pid"]] = e.get("args", {}).get("name", "")
-    if e.get("ph") == "M" and e.get("name") == "thread_name":
-      tname[(e["pid"], e.get("tid"))] = e.get("args", {}).get("name", "")
-  gpu = {p for p, n in pname.items() if "GPU" in n or "gpu" in n}
-  dev = [e for e in ev if e.get("ph") == "X" and e.get("pid") in gpu]
-  streams = [e for e in dev
-             if "stream" in tname.get((e["pid"], e.get("tid")), "").lower()]
-  if streams:
-    dev = streams
-  else:
-    skip = ("xla modules", "xla ops", "steps", "tensorflow ops",
-            "source code", "launch stats")
-    dev = [e for e in dev if not any(
-        k in tname.get((e["pid"], e.get("tid")), "").lower() for k in skip)]
-  host = {e["name"]: (e["ts"], e["ts"] + e.get("dur", 0)) for e in ev
-          if e.get("ph") == "X" and e.get("name") in labels}
-  res = []
-  for lab, n in zip(labels, n_calls):
-    if lab not in host or not dev:
-      res.append((None, None))
-      continue
-    t0, t1 = host[lab]
-    iv = sorted((e["ts"], e["ts"] + e.get("dur", 0)) for e in dev
-                if t0 <= e["ts"] <= t1)
-    if not iv:
-      res.append((None, None))
-      continue
-    busy, cur_s, cur_e = 0.0, iv[0][0], iv[0][1]
-    for a, b in iv[1:]:
-      if a > cur_e:
-        busy += cur_e - cur_s
-        cur_s, cur_e = a, b
-      else:
-        cur_e = max(cur_e, b)
-    busy += cur_e - cur_s
-    res.append((busy / n / 1e3, (iv[-1][1] - iv[0][0]) / n / 1e3))
-  return res
 
 
 def print_table(records):

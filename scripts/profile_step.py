@@ -11,8 +11,6 @@ union of kernel intervals), and the top kernels. Writes profile_step.json.
 from __future__ import annotations
 
 import collections
-import glob
-import gzip
 import json
 import os
 import tempfile
@@ -20,6 +18,8 @@ import time
 
 from absl import app
 from absl import flags
+
+from dustin_jax.benchmarking import busy_time, device_events, load_trace_events
 
 flags.DEFINE_string("out_dir", "results/h200", "where profile_step.json goes")
 flags.DEFINE_integer("context", 32768, "context length")
@@ -29,34 +29,6 @@ flags.DEFINE_integer("steps", 3, "profiled steps per method")
 flags.DEFINE_integer("top", 25, "kernels listed per method")
 flags.DEFINE_bool("smoke", False, "tiny shapes (CPU)")
 FLAGS = flags.FLAGS
-
-
-def _device_events(trace_dir):
-  path = glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True)[-1]
-  with gzip.open(path) as f:
-    tr = json.load(f)
-  ev = tr["traceEvents"] if isinstance(tr, dict) else tr
-  pname = {e["pid"]: e.get("args", {}).get("name", "") for e in ev
-           if e.get("ph") == "M" and e.get("name") == "process_name"}
-  tname = {(e["pid"], e.get("tid")): e.get("args", {}).get("name", "") for e in ev
-           if e.get("ph") == "M" and e.get("name") == "thread_name"}
-  gpu = {p for p, n in pname.items() if "gpu" in n.lower()}
-  dev = [e for e in ev if e.get("ph") == "X" and e.get("pid") in gpu
-         and "stream" in tname.get((e["pid"], e.get("tid")), "").lower()]
-  return dev
-
-
-def _busy(intervals):
-  iv = sorted(intervals)
-  if not iv:
-    return 0.0
-  busy, s, e = 0.0, iv[0][0], iv[0][1]
-  for a, b in iv[1:]:
-    if a > e:
-      busy, s, e = busy + e - s, a, b
-    else:
-      e = max(e, b)
-  return busy + e - s
 
 
 def profile(fn, steps):
@@ -69,13 +41,13 @@ def profile(fn, steps):
     for _ in range(steps):
       jax.block_until_ready(fn())
   wall = (time.perf_counter() - t0) / steps
-  dev = _device_events(d)
+  dev = device_events(load_trace_events(d))
   per = collections.Counter()
   count = collections.Counter()
   for e in dev:
     per[e["name"]] += e.get("dur", 0) / steps
     count[e["name"]] += 1 / steps
-  busy = _busy([(e["ts"], e["ts"] + e.get("dur", 0)) for e in dev]) / steps
+  busy = busy_time([(e["ts"], e["ts"] + e.get("dur", 0)) for e in dev]) / steps
   top = [dict(kernel=k[:120], us=round(v, 1), launches=round(count[k], 1))
          for k, v in per.most_common(FLAGS.top)]
   return dict(wall_ms=1e3 * wall, gpu_busy_ms=busy / 1e3, kernel_sum_ms=sum(per.values()) / 1e3,

@@ -1,0 +1,76 @@
+"""Reading device time out of JAX profiler traces (benchmark scripts).
+
+Wall-clock timing of a few-microsecond kernel measures the host; the GPU
+kernel intervals in a profiler trace measure the device. Shared by
+scripts/bench_attention.py and scripts/profile_step.py.
+"""
+
+from __future__ import annotations
+
+import glob
+import gzip
+import json
+import os
+
+
+def load_trace_events(trace_dir: str) -> list:
+  """Chrome-trace events of the perfetto trace `jax.profiler.trace` wrote."""
+  path = glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True)[-1]
+  with gzip.open(path) as f:
+    tr = json.load(f)
+  return tr["traceEvents"] if isinstance(tr, dict) else tr
+
+
+def device_events(ev) -> list:
+  """Kernel events of the GPU stream threads (not XLA's op/module summary lines)."""
+  pname, tname = {}, {}
+  for e in ev:
+    if e.get("ph") == "M" and e.get("name") == "process_name":
+      pname[e["pid"]] = e.get("args", {}).get("name", "")
+    if e.get("ph") == "M" and e.get("name") == "thread_name":
+      tname[(e["pid"], e.get("tid"))] = e.get("args", {}).get("name", "")
+  gpu = {p for p, n in pname.items() if "GPU" in n or "gpu" in n}
+  dev = [e for e in ev if e.get("ph") == "X" and e.get("pid") in gpu]
+  streams = [e for e in dev
+             if "stream" in tname.get((e["pid"], e.get("tid")), "").lower()]
+  if streams:
+    return streams
+  skip = ("xla modules", "xla ops", "steps", "tensorflow ops", "source code", "launch stats")
+  return [e for e in dev if not any(
+      k in tname.get((e["pid"], e.get("tid")), "").lower() for k in skip)]
+
+
+def busy_time(intervals) -> float:
+  """Length of the union of (start, end) intervals."""
+  iv = sorted(intervals)
+  if not iv:
+    return 0.0
+  busy, s, e = 0.0, iv[0][0], iv[0][1]
+  for a, b in iv[1:]:
+    if a > e:
+      busy, s, e = busy + e - s, a, b
+    else:
+      e = max(e, b)
+  return busy + e - s
+
+
+def parse_device_times(ev, labels, n_calls):
+  """Per label: (union of GPU kernel intervals, first-to-last span), in ms
+  per call, from Chrome-trace events; device events are attributed to the
+  host annotation window they start in."""
+  dev = device_events(ev)
+  host = {e["name"]: (e["ts"], e["ts"] + e.get("dur", 0)) for e in ev
+          if e.get("ph") == "X" and e.get("name") in labels}
+  res = []
+  for lab, n in zip(labels, n_calls):
+    if lab not in host or not dev:
+      res.append((None, None))
+      continue
+    t0, t1 = host[lab]
+    iv = [(e["ts"], e["ts"] + e.get("dur", 0)) for e in dev if t0 <= e["ts"] <= t1]
+    if not iv:
+      res.append((None, None))
+      continue
+    span = max(b for _, b in iv) - min(a for a, _ in iv)
+    res.append((busy_time(iv) / n / 1e3, span / n / 1e3))
+  return res
