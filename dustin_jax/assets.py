@@ -38,6 +38,8 @@ import tempfile
 import warnings
 from typing import Iterable, Sequence
 
+from dustin_jax.progress import progress
+
 __all__ = [
     "AssetError",
     "ChecksumError",
@@ -224,10 +226,8 @@ def _installed_version(distribution: str) -> str | None:
 
 
 def _progress(total: int, desc: str, enabled: bool):
-  from tqdm.auto import tqdm
-
-  return tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024,
-              disable=not enabled, leave=False)
+  return progress(desc=desc, total=total, enabled=enabled, unit="B", unit_scale=True,
+                  unit_divisor=1024)
 
 
 def sha256_file(path: str | os.PathLike, *, progress: bool = False, desc: str | None = None) -> str:

@@ -23,6 +23,7 @@ from flax import nnx
 
 from dustin_jax.cache import KVCache
 from dustin_jax.config import ModelConfig
+from dustin_jax.progress import progress as progress_bar
 from dustin_jax.sampling import SamplingConfig, probs, sample
 
 
@@ -154,7 +155,7 @@ def prefill(model: Model, cache: KVCache, prompts: Sequence[Sequence[int]], *,
   # short prompts: a smaller chunk (a power of two, so few distinct compiles)
   chunk = min(chunk, max(16, 1 << max(longest - 1, 0).bit_length()))
   n_chunks = -(-longest // chunk)
-  bar = _progress(n_chunks, "prefill", progress)
+  bar = progress_bar(desc="prefill", total=n_chunks, enabled=progress)
   for c in range(n_chunks):
     tok = np.zeros((b, chunk), np.int32)
     n_valid = np.zeros((b,), np.int32)
@@ -170,11 +171,6 @@ def prefill(model: Model, cache: KVCache, prompts: Sequence[Sequence[int]], *,
     bar.update(1)
   bar.close()
   return cache
-
-
-def _progress(total: int, desc: str, enabled: bool):
-  from tqdm.auto import tqdm
-  return tqdm(total=total, desc=desc, disable=not enabled, leave=False)
 
 
 # ------------------------------------------------------------- vanilla step
@@ -220,7 +216,7 @@ def generate(model: Model, prompts: Sequence[Sequence[int]], *, max_new_tokens: 
   jax.block_until_ready(cache)
   stats.prefill_s = time.perf_counter() - t0
   outs = []
-  bar = _progress(max_new_tokens * len(prompts), "decode", progress)
+  bar = progress_bar(desc="decode", total=max_new_tokens * len(prompts), enabled=progress)
   t0 = time.perf_counter()
   while True:
     active = int(np.sum(~np.asarray(ds.done)))

@@ -246,15 +246,3 @@ def hf_tensors_from_params(state) -> dict[str, np.ndarray]:
     arr = np.asarray(leaf)
     out[name] = arr.T if transpose else arr
   return out
-
-
-def check_vocab(draft: ModelConfig, target: ModelConfig, tokenizer_vocab: int | None = None):
-  """Draft and target may differ in padded vocab size (extra ids never
-  produced by the tokenizer); anything the tokenizer can emit must exist in
-  both."""
-  if tokenizer_vocab is not None:
-    for name, c in (("draft", draft), ("target", target)):
-      if c.vocab_size < tokenizer_vocab:
-        raise CheckpointError(f"{name} vocab_size={c.vocab_size} is smaller than the "
-                              f"tokenizer's {tokenizer_vocab} ids")
-

@@ -46,6 +46,7 @@ import tokenize
 from typing import Callable, Iterable, Iterator
 
 from dustin_jax.assets import MissingPackageError, UnknownAssetError, cache_root
+from dustin_jax.progress import progress as progress_bar
 
 __all__ = ["TEXTS", "TextSource", "ensure_text", "read_text", "texts_dir", "available_texts"]
 
@@ -64,12 +65,6 @@ _STDLIB_SKIP_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__", 
 def texts_dir(cache_dir: str | os.PathLike | None = None) -> pathlib.Path:
   """``cache_dir`` if given, else ``cache_root()/texts``."""
   return pathlib.Path(cache_dir).expanduser() if cache_dir is not None else cache_root() / "texts"
-
-
-def _progress(iterable, desc: str, total: int | None = None, enabled: bool = True):
-  from tqdm.auto import tqdm
-
-  return tqdm(iterable, desc=desc, total=total, disable=not enabled, leave=False)
 
 
 def _fingerprint(paths: Iterable[pathlib.Path], base: pathlib.Path | None = None) -> str:
@@ -110,7 +105,7 @@ def _prepare_stdlib():
   version = ".".join(map(str, sys.version_info[:3]))
 
   def write(out, progress):
-    for path in _progress(files, "python-stdlib", enabled=progress):
+    for path in progress_bar(files, desc="python-stdlib", enabled=progress):
       with tokenize.open(path) as f:  # honours PEP 263 coding cookies
         src = f.read()
       out.write(f"# ===== {path.relative_to(root).as_posix()} =====\n")
@@ -132,7 +127,7 @@ def _prepare_python_docs():
                               "sudo apt-get install --reinstall python3.11-doc")
 
   def write(out, progress):
-    for path in _progress(files, "python-docs", enabled=progress):
+    for path in progress_bar(files, desc="python-docs", enabled=progress):
       with open(path, encoding="utf-8", errors="replace") as f:
         src = f.read()
       out.write(f"# ===== {path.relative_to(PYTHON_DOCS_DIR).as_posix()} =====\n")
@@ -280,7 +275,7 @@ def _prepare_web():
     all_books = [b for t in ("ot", "nt") for b in books.get(t, [])]
 
     def chapters():
-      for book in _progress(all_books, "web-bible", enabled=progress):
+      for book in progress_bar(all_books, desc="web-bible", enabled=progress):
         for c in range(1, book.num_chapters + 1):
           raw = bible.get_iter(books=[book.name], chapters=[c], clean=False)
           yield book.name, c, [clean_osis(v) for v in raw]

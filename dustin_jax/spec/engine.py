@@ -10,8 +10,9 @@ import jax
 import numpy as np
 
 from dustin_jax.cache import KVCache
-from dustin_jax.generate import (DecodeState, DecodeStats, InputError, Model, _progress,
+from dustin_jax.generate import (DecodeState, DecodeStats, InputError, Model, 
                                  check_lengths, collect, prefill)
+from dustin_jax.progress import progress as progress_bar
 from dustin_jax.spec.step import SpecConfig, SpecState, spec_step
 
 
@@ -56,7 +57,7 @@ def generate_speculative(target: Model, draft: Model, prompts: Sequence[Sequence
   jax.block_until_ready(st)
   stats.prefill_s = time.perf_counter() - t0
   outs = []
-  bar = _progress(max_new_tokens * len(prompts), "decode", progress)
+  bar = progress_bar(desc="decode", total=max_new_tokens * len(prompts), enabled=progress)
   t0 = time.perf_counter()
   while True:
     st, out = spec_step(target.graphdef, target.state, draft.graphdef, draft.state, st, cfg=cfg)
