@@ -27,6 +27,10 @@ Metrics (long-format records, see README.md of the output directory):
 * arr: Attention Recovery Rate of the policy's verification sets;
 * ppl: teacher-forced perplexity of a real long text with sparse
   verification (see `sparse_ppl`);
+* tf_agreement: in that teacher-forced pass, the share of positions where
+  the target's argmax under the policy equals its argmax under full
+  verification (per-token fidelity without the cascade of a greedy
+  divergence, which `agreement` includes);
 * accuracy: task score (dustin_jax/eval/tasks.py) of the generated answer.
 
 Resumable: records already in the output JSON (same model, policy, budget,
@@ -221,7 +225,8 @@ def _tf_block_fn(t_graphdef, t_params, d_graphdef, d_params, st, real, cfg):
   real_1 .. real_gamma] attending to I_verify plus the block
   (`step.verify_phase`), and its logits score real_1 .. real_{gamma+1}. The
   whole block is committed (pending <- real_{gamma+1}). The Oracle gets its
-  full-cache pass first, as in `arr_step`. Returns (state, nll f32[B, gamma+1])."""
+  full-cache pass first, as in `arr_step`. Returns (state, nll f32[B, gamma+1],
+  the target's argmax int32[B, gamma+1])."""
   import dataclasses as dc
   import jax
   import jax.numpy as jnp
@@ -250,13 +255,15 @@ def _tf_block_fn(t_graphdef, t_params, d_graphdef, d_params, st, real, cfg):
   nll = -jnp.take_along_axis(logp, real[:, :, None], -1)[..., 0]
   n = jnp.full_like(base, gamma + 1)
   ds = dc.replace(ds, pending=real[:, gamma], prev=real[:, gamma - 1])
-  return SpecState(tcache.commit(n), dcache.with_lengths(base + n), ds, signals), nll
+  best = jnp.argmax(logits, -1).astype(jnp.int32)
+  return SpecState(tcache.commit(n), dcache.with_lengths(base + n), ds, signals), nll, best
 
 
-def sparse_ppl(pair, base, policy, refs, gamma):
+def sparse_ppl(pair, base, policy, refs, gamma, return_top1=False):
   """Teacher-forced perplexity of `refs[b]` (the real continuation of each
   prompt) when every block of gamma+1 tokens is verified with the policy's
-  I_verify (see `_tf_block_fn`). Returns (ppl, n tokens)."""
+  I_verify (see `_tf_block_fn`). Returns (ppl, n tokens) and, with
+  `return_top1`, the target's argmax at every scored position (per sequence)."""
   import functools
   import jax
   import jax.numpy as jnp
@@ -269,15 +276,19 @@ def sparse_ppl(pair, base, policy, refs, gamma):
   n_blocks = min(len(r) for r in refs) // (gamma + 1)
   st = fresh_state(base, policy, 1)
   t, d = pair.target, pair.draft
-  total, count = 0.0, 0
+  total, count, top1 = 0.0, 0, []
   for i in range(n_blocks):
     real = jnp.asarray(np.asarray([r[i * (gamma + 1):(i + 1) * (gamma + 1)] for r in refs],
                                   np.int32))
-    st, nll = fn(t.graphdef, t.state, d.graphdef, d.state, st, real, cfg=cfg)
-    nll = np.asarray(jax.device_get(nll))
-    total += float(nll.sum())
-    count += nll.size
+    st, nll, best = fn(t.graphdef, t.state, d.graphdef, d.state, st, real, cfg=cfg)
+    nll, best = jax.device_get((nll, best))
+    total += float(np.asarray(nll).sum())
+    count += np.asarray(nll).size
+    top1.append(np.asarray(best))
   del st
+  top1 = np.concatenate(top1, axis=1).tolist() if top1 else [[] for _ in refs]
+  if return_top1:
+    return float(np.exp(total / max(count, 1))), count, top1
   return float(np.exp(total / max(count, 1))), count
 
 
@@ -357,8 +368,10 @@ def run_eval(pair):
         + gamma + 2
     for batch in batches:
       task = batch["task"]
-      metrics = ["tau", "acceptance", "agreement", "arr"]
-      metrics += ["ppl"] if batch["refs"] else ["accuracy"]
+      gen_metrics = ["tau", "acceptance", "agreement", "arr"]
+      gen_metrics += [] if batch["refs"] else ["accuracy"]
+      tf_metrics = ["ppl", "tf_agreement"] if batch["refs"] else []
+      metrics = gen_metrics + tf_metrics
       todo = [(p, b) for p, b in runs() if missing(p, b, ctx, task, metrics)]
       if not todo:
         continue
@@ -367,8 +380,10 @@ def run_eval(pair):
       print(f"[{ctx}] {task}: prefill {len(batch['prompts'])} x {ctx} tokens "
             f"{base.prefill_s:.1f} s", flush=True)
       full_key = f"{pair.model_name}|full|0|{ctx}|{task}|{seed}"
-      if ("full", 0) not in todo and full_key not in outputs:
-        todo.insert(0, ("full", 0))   # its tokens are the agreement reference
+      if ("full", 0) not in todo and (full_key not in outputs or (
+          tf_metrics and "tf_top1" not in outputs[full_key])):
+        todo.insert(0, ("full", 0))   # its tokens are the agreement references
+      src = batch["source"]
       for policy_name, budget in todo:
         if base is None:   # reload the prefilled rows from the disk cache (seconds)
           base = prefill_base(pair, batch["prompts"], max_len, cache_dir=kv_cache_dir())
@@ -376,34 +391,39 @@ def run_eval(pair):
                              pair, srh)
         t1 = time.perf_counter()
         need = missing(policy_name, budget, ctx, task, metrics)
-        res = run_policy(pair, base, policy, gamma=gamma, max_new_tokens=batch["max_new"],
-                         eos_ids=batch["eos"], measure_arr=policy_name != "full",
-                         seed=seed, progress=FLAGS.progress)
         key = f"{pair.model_name}|{policy_name}|{budget}|{ctx}|{task}|{seed}"
-        texts = [pair.tokenizer.decode(t) for t in res.tokens]
-        outputs[key] = dict(key=key, tokens=res.tokens, texts=texts)
-        ref = outputs.get(full_key, {}).get("tokens")
-        s = res.stats
-        src = batch["source"]
         put = lambda metric, value, n: (metric in need and add(
             policy_name, budget, ctx, task, metric, value, n, src))
-        put("tau", s.tau, s.seq_steps)
-        put("acceptance", s.acceptance_rate, s.seq_steps * gamma)
-        put("arr", 1.0 if policy_name == "full" else res.arr, res.arr_n or s.seq_steps)
-        if ref is not None:
-          m, n = agreement(res.tokens, ref)
-          put("agreement", m / max(n, 1), n)
-        if batch["items"] is not None:
-          scores = [it.score(txt) for it, txt in zip(batch["items"], texts)]
-          put("accuracy", float(np.mean(scores)), len(scores))
-        line = f"[{ctx}] {task:28s} {policy_name:14s} b={budget:5d} tau={s.tau:.3f} " \
-               f"arr={res.arr if res.arr is not None else 1.0:.3f}"
-        if batch["items"] is not None:
-          line += f" acc={np.mean(scores):.3f}"
-        if batch["refs"] and "ppl" in need:
+        line = f"[{ctx}] {task:28s} {policy_name:14s} b={budget:5d}"
+        if set(need) & set(gen_metrics) or key not in outputs:
+          res = run_policy(pair, base, policy, gamma=gamma, max_new_tokens=batch["max_new"],
+                           eos_ids=batch["eos"], measure_arr=policy_name != "full",
+                           seed=seed, progress=FLAGS.progress)
+          texts = [pair.tokenizer.decode(t) for t in res.tokens]
+          outputs[key] = {**outputs.get(key, {}), "key": key, "tokens": res.tokens,
+                          "texts": texts}
+          ref = outputs.get(full_key, {}).get("tokens")
+          s = res.stats
+          put("tau", s.tau, s.seq_steps)
+          put("acceptance", s.acceptance_rate, s.seq_steps * gamma)
+          put("arr", 1.0 if policy_name == "full" else res.arr, res.arr_n or s.seq_steps)
+          if ref is not None:
+            m, n = agreement(res.tokens, ref)
+            put("agreement", m / max(n, 1), n)
+          line += f" tau={s.tau:.3f} arr={res.arr if res.arr is not None else 1.0:.3f}"
+          if batch["items"] is not None:
+            scores = [it.score(txt) for it, txt in zip(batch["items"], texts)]
+            put("accuracy", float(np.mean(scores)), len(scores))
+            line += f" acc={np.mean(scores):.3f}"
+        if tf_metrics and (set(need) & set(tf_metrics) or "tf_top1" not in outputs[key]):
           t2 = time.perf_counter()
-          ppl, n = sparse_ppl(pair, base, policy, batch["refs"], gamma)
-          add(policy_name, budget, ctx, task, "ppl", ppl, n, src)
+          ppl, n, top1 = sparse_ppl(pair, base, policy, batch["refs"], gamma, return_top1=True)
+          outputs[key]["tf_top1"] = top1
+          put("ppl", ppl, n)
+          ref = outputs.get(full_key, {}).get("tf_top1")
+          if ref is not None:
+            m, n = agreement(top1, ref)
+            put("tf_agreement", m / max(n, 1), n)
           line += f" ppl={ppl:.3f} ({time.perf_counter() - t2:.1f} s)"
         flush()
         if kv_cache_dir():  # hold only the run's copy, not the base too (host memory)
@@ -439,7 +459,9 @@ def write_report(records, out_dir):
            "Greedy speculative decoding, gamma = "
            f"{records[0]['gamma'] if records else '?'}; `full` = lossless verification "
            "(budget 0 = the whole cache). tau = accepted drafts + 1 per verify step; "
-           "agreement = share of `full`'s generated tokens reproduced at the same position; "
+           "agreement = share of `full`'s generated tokens reproduced at the same position "
+           "(a greedy divergence cascades); tf agreement = the same per position when both are "
+           "teacher-forced on the real continuation; "
            "ARR = attention recovery rate of the verification sets actually used (METHOD.md "
            "§4); ppl = teacher-forced perplexity of the real continuation with every block "
            "of gamma+1 tokens verified against the policy's set; accuracy = task score "
@@ -450,9 +472,10 @@ def write_report(records, out_dir):
       rs = [r for r in records if r["model"] == model and r["context"] == ctx]
       tasks_here = sorted({r["task"] for r in rs})
       lines += [f"## {model}, context {ctx}", "",
-                "| policy | budget | tau | acceptance | agreement | ARR | ppl | accuracy |"
+                "| policy | budget | tau | acceptance | agreement | tf agreement | ARR | ppl | "
+                "accuracy |"
                 + "".join(f" {t} |" for t in tasks_here if not t.startswith("continuation")),
-                "|---|---|---|---|---|---|---|---|"
+                "|---|---|---|---|---|---|---|---|---|"
                 + "---|" * len([t for t in tasks_here if not t.startswith("continuation")])]
       keys = sorted({(r["policy"], r["budget"]) for r in rs},
                     key=lambda k: (k[1], POLICY_ORDER.index(k[0]) if k[0] in POLICY_ORDER else 9))
@@ -462,7 +485,8 @@ def write_report(records, out_dir):
              and (task is None or r["task"] == task)], metric)
         fmt = lambda v, d=3: "" if v is None else f"{v:.{d}f}"
         row = (f"| {pol} | {b} | {fmt(cell('tau'))} | {fmt(cell('acceptance'))} | "
-               f"{fmt(cell('agreement'))} | {fmt(cell('arr'))} | {fmt(cell('ppl'))} | "
+               f"{fmt(cell('agreement'))} | {fmt(cell('tf_agreement'))} | {fmt(cell('arr'))} | "
+               f"{fmt(cell('ppl'))} | "
                f"{fmt(cell('accuracy'))} |")
         row += "".join(f" {fmt(cell('accuracy', t), 2)} |" for t in tasks_here
                        if not t.startswith("continuation"))

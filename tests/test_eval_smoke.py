@@ -35,10 +35,11 @@ def test_eval_longctx_tiny_writes_the_documented_schema(tmp_path):
   records = json.loads((out / "longctx.json").read_text())
   assert records and all(RECORD_KEYS <= set(r) for r in records)
   metrics = {r["metric"] for r in records}
-  assert metrics == {"tau", "acceptance", "agreement", "arr", "ppl", "accuracy"}
+  assert metrics == {"tau", "acceptance", "agreement", "arr", "ppl", "tf_agreement", "accuracy"}
   assert {r["policy"] for r in records} == {"full", "dustin", "oracle"}
   full = [r for r in records if r["policy"] == "full"]
-  assert all(r["value"] == 1.0 for r in full if r["metric"] in ("agreement", "arr"))
+  assert all(r["value"] == 1.0 for r in full
+             if r["metric"] in ("agreement", "arr", "tf_agreement"))
   arr = {r["policy"]: r["value"] for r in records
          if r["metric"] == "arr" and r["task"].startswith("continuation")}
   assert arr["oracle"] >= arr["dustin"] - 1e-6
