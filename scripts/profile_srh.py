@@ -73,11 +73,10 @@ def calibration_items(tok, texts, contexts, n_items, seed):
 def main(argv):
   del argv
   from dustin_jax.profiling import collect, search
-  from dustin_jax.profiling.runtime import load_pair
+  from dustin_jax.profiling.runtime import LazyPair
   from dustin_jax.selection.srh import SRHConfig, load_srh, save_srh
   t_all = time.perf_counter()
-  pair = load_pair(FLAGS.pair, progress=FLAGS.progress)
-  print(f"loaded {pair.model_name} in {time.perf_counter() - t_all:.1f} s", flush=True)
+  pair = LazyPair(FLAGS.pair, progress=FLAGS.progress)   # weights only if an item is not cached
   contexts = [int(c) for c in FLAGS.contexts]
   items = calibration_items(pair.tokenizer, FLAGS.texts, contexts, FLAGS.n_items, FLAGS.seed)
   max_len = max(contexts) + FLAGS.max_new + FLAGS.gamma + 2
@@ -119,15 +118,16 @@ def main(argv):
                   baselines=res.baselines,
                   best_heads=dict(draft=res.head_scores["draft"][:10],
                                   target=res.head_scores["target"][:10])),
-      runtime_s=dict(collect=round(collect_s, 1), search=round(res.seconds, 1),
-                     total=round(time.perf_counter() - t_all, 1)),
+      runtime_s=dict(collect_when_recorded=round(sum(d["seconds"] for d in data.items), 1),
+                     collect_this_run=round(collect_s, 1), search=round(res.seconds, 1),
+                     total_this_run=round(time.perf_counter() - t_all, 1)),
       arr_definition="METHOD.md §4 [ours], selection/arr.py; mean over calibration steps")
   srh = SRHConfig(target=pair.target_name, draft=pair.draft_name,
                   draft_heads=res.draft_heads, target_heads=res.target_heads, m=res.m,
                   n_sink=FLAGS.n_sink, n_window=res.n_window, budget=FLAGS.budget,
                   arr=round(res.arr, 6), extra=extra)
   save_srh(srh, out)
-  load_srh(out, pair.target.cfg, pair.draft.cfg)   # round trip: the policies can read it
+  load_srh(out, *pair.configs())   # round trip: the policies can read it
   print(f"wrote {out}", flush=True)
   if FLAGS.plot:
     os.makedirs(os.path.dirname(FLAGS.plot) or ".", exist_ok=True)

@@ -147,6 +147,61 @@ def load_gguf_lean(path: str, dtype: str = "float32"):
   return cfg, graphdef, state
 
 
+class LazyPair:
+  """The pair's names, tokenizer and model configs at once; the weights only
+  when `.target` / `.draft` is first used (a profile whose calibration data
+  is all cached needs no model)."""
+
+  def __init__(self, kind: str = "real", progress: bool = False):
+    self.kind, self.progress, self._pair = kind, progress, None
+    if kind == "tiny":
+      self._pair = load_pair("tiny")
+    elif kind != "real":
+      raise ValueError(f"unknown model pair {kind!r}: 'real' or 'tiny'")
+
+  def _load(self) -> Pair:
+    if self._pair is None:
+      self._pair = load_pair(self.kind, progress=self.progress)
+    return self._pair
+
+  @property
+  def target_name(self):
+    return self._pair.target_name if self._pair else REAL_TARGET
+
+  @property
+  def draft_name(self):
+    return self._pair.draft_name if self._pair else REAL_DRAFT
+
+  @property
+  def model_name(self):
+    return f"{self.target_name}+{self.draft_name}"
+
+  @property
+  def target(self) -> Model:
+    return self._load().target
+
+  @property
+  def draft(self) -> Model:
+    return self._load().draft
+
+  @property
+  def tokenizer(self):
+    if self._pair is not None:
+      return self._pair.tokenizer
+    from dustin_jax.assets import ensure_model, load_tokenizer
+    return HFTokenizer(load_tokenizer(ensure_model(REAL_TARGET, progress=self.progress)))
+
+  def configs(self):
+    """(target ModelConfig, draft ModelConfig) without loading weights."""
+    if self._pair is not None:
+      return self._pair.target.cfg, self._pair.draft.cfg
+    from dustin_jax.assets import ensure_model
+    from dustin_jax.config import ModelConfig
+    from dustin_jax.gguf_file import read_gguf_config
+    return tuple(ModelConfig.from_hf(read_gguf_config(str(ensure_model(n, progress=False))),
+                                     dtype="float32") for n in (REAL_TARGET, REAL_DRAFT))
+
+
 def release_host_memory() -> None:
   """Give the dequantisation temporaries back to the OS (glibc keeps freed
   heap otherwise: ~2 GB for the real pair, which matters on a 24 GB host)."""

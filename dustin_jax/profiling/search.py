@@ -111,7 +111,8 @@ def load_calib(paths: Sequence[str]) -> CalibData:
       t_idx=cat([a for a, _ in lt]), t_val=cat([b for _, b in lt]),
       draft_shape=tuple(int(x) for x in parts[0]["draft_shape"]),
       target_shape=tuple(int(x) for x in parts[0]["target_shape"]),
-      items=[dict(path=str(pth), n_steps=int(len(p["lengths"])), tau=float(p["tau"]))
+      items=[dict(path=str(pth), n_steps=int(len(p["lengths"])), tau=float(p["tau"]),
+                  seconds=float(p["prefill_s"]) + float(p["decode_s"]))
              for pth, p in zip(paths, parts)])
 
 
