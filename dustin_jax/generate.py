@@ -112,6 +112,16 @@ class DecodeStats:
   def tokens_per_s(self) -> float:
     return self.tokens / self.decode_s if self.decode_s else 0.0
 
+  def record(self, n_emitted, active, n_accepted=None) -> int:
+    """Count one step: per-sequence emitted tokens, active flags (or their
+    count) and accepted draft tokens. Returns the tokens emitted."""
+    self.steps += 1
+    self.tokens += int(np.sum(n_emitted))
+    self.seq_steps += int(np.sum(active))
+    if n_accepted is not None:
+      self.accepted += int(np.sum(n_accepted))
+    return int(np.sum(n_emitted))
+
   def as_dict(self) -> dict:
     d = dataclasses.asdict(self)
     d.update(tau=self.tau, acceptance_rate=self.acceptance_rate, tokens_per_s=self.tokens_per_s)
@@ -225,10 +235,7 @@ def generate(model: Model, prompts: Sequence[Sequence[int]], *, max_new_tokens: 
     cache, ds, out, n = vanilla_step(model.graphdef, model.state, cache, ds, sampling=sampling,
                                      eos_ids=tuple(eos_ids), impl=impl, mesh=mesh)
     outs.append(np.asarray(out))
-    stats.steps += 1
-    stats.seq_steps += active
-    stats.tokens += int(np.sum(n))
-    bar.update(int(np.sum(n)))
+    bar.update(stats.record(n, active))
   stats.decode_s = time.perf_counter() - t0
   bar.close()
   return collect(outs), stats

@@ -168,10 +168,7 @@ def evaluate_arr(target: Model, draft: Model, prompts: Sequence[Sequence[int]], 
     tokens, n, n_acc, active, arr, per_layer = jax.device_get(
         (out.tokens, out.n_emitted, out.n_accepted, out.active, arr, per_layer))
     outs.append(tokens)
-    stats.steps += 1
-    stats.tokens += int(n.sum())
-    stats.seq_steps += int(active.sum())
-    stats.accepted += int(n_acc.sum())
+    stats.record(n, active, n_acc)
     if active.any():
       tot += float(arr[active].sum())
       tot_layers = tot_layers + per_layer[active].sum(axis=0)

@@ -65,11 +65,7 @@ def generate_speculative(target: Model, draft: Model, prompts: Sequence[Sequence
       on_step(st, out)
     tokens, n, n_acc, active = jax.device_get((out.tokens, out.n_emitted, out.n_accepted, out.active))
     outs.append(tokens)
-    stats.steps += 1
-    stats.tokens += int(n.sum())
-    stats.seq_steps += int(active.sum())
-    stats.accepted += int(n_acc.sum())
-    bar.update(int(n.sum()))
+    bar.update(stats.record(n, active, n_acc))
     if bool(np.all(jax.device_get(st.decode.done))):
       break
   stats.decode_s = time.perf_counter() - t0
