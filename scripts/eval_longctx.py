@@ -492,10 +492,73 @@ def write_report(records, out_dir):
                        if not t.startswith("continuation"))
         lines.append(row)
       lines.append("")
+  lines += targets_section(records)
   lines += extra_sections(out_dir)
   with open(os.path.join(out_dir, "README.md"), "w") as f:
     f.write("\n".join(lines) + "\n")
   plot_report(records, os.path.join(out_dir, "longctx.png"))
+
+
+def targets_section(records, budget: int = 512) -> list[str]:
+  """The issue's acceptance targets, checked from the records (budget 512)."""
+  import numpy as np
+  lines = []
+
+  def val(rs, metric, tasks=None):
+    v = [r for r in rs if r["metric"] == metric and (tasks is None or r["task"] in tasks)]
+    if not v:
+      return None
+    if metric == "accuracy":
+      return float(np.mean([r["value"] for r in v]))
+    w = np.asarray([max(r["n"], 1) for r in v], float)
+    return float(np.sum(w * [r["value"] for r in v]) / w.sum())
+
+  for model in sorted({r["model"] for r in records}):
+    for ctx in sorted({r["context"] for r in records if r["model"] == model}):
+      at = lambda pol, b: [r for r in records if r["model"] == model and r["context"] == ctx
+                           and r["policy"] == pol and r["budget"] == b]
+      full, dus = at("full", 0), at("dustin", budget)
+      if not full or not dus:
+        continue
+      ok = lambda c: "holds" if c else "**does not hold**"
+      t_f, t_d = val(full, "tau"), val(dus, "tau")
+      cont = sorted({r["task"] for r in dus if r["task"].startswith("continuation")})
+      acc_tasks = sorted({r["task"] for r in dus if r["metric"] == "accuracy"})
+      lines += [f"## Targets at budget {budget}, context {ctx} ({model})", ""]
+      if t_f and t_d:
+        ratio = t_d / t_f
+        extra = ""
+        if cont and val(full, "tau", cont) and val(dus, "tau", cont):
+          extra = f"; continuation only {val(dus, 'tau', cont) / val(full, 'tau', cont):.1%}"
+        lines.append(f"* tau(dustin) / tau(full) = {t_d:.3f} / {t_f:.3f} = {ratio:.1%} over all "
+                     f"batches{extra} (target >= 98%): {ok(ratio >= 0.98)}")
+      ag, tf = val(dus, "agreement"), val(dus, "tf_agreement")
+      if ag is not None:
+        lines.append(f"* token agreement with full: {ag:.1%} generated (cascading)"
+                     + (f", {tf:.1%} teacher-forced" if tf is not None else "")
+                     + f" (target >= 95%): {ok(ag >= 0.95)}")
+      if acc_tasks:
+        a_f = val([r for r in full if r["task"] in acc_tasks], "accuracy")
+        a_d = val([r for r in dus if r["task"] in acc_tasks], "accuracy")
+        if a_f is not None and a_d is not None:
+          lines.append(f"* task accuracy (mean over {len(acc_tasks)} tasks): dustin {100 * a_d:.1f} "
+                       f"vs full {100 * a_f:.1f} points (target: within 0.5): "
+                       f"{ok(abs(a_d - a_f) * 100 <= 0.5 or a_d >= a_f)}")
+      arr = {p: val(at(p, budget), "arr") for p in ("dustin", "dustin_draft", "dustin_target",
+                                                    "streaming", "quest", "oracle")}
+      if all(arr[p] is not None for p in ("dustin", "dustin_draft", "dustin_target")):
+        lines.append(f"* ARR hybrid {arr['dustin']:.3f} >= draft-only {arr['dustin_draft']:.3f} "
+                     f">= target-only {arr['dustin_target']:.3f}: "
+                     f"{ok(arr['dustin'] >= arr['dustin_draft'] >= arr['dustin_target'])}")
+      for p, rel in (("streaming", ">"), ("quest", ">=")):
+        if arr[p] is not None:
+          c = arr["dustin"] > arr[p] if rel == ">" else arr["dustin"] >= arr[p]
+          lines.append(f"* ARR hybrid {arr['dustin']:.3f} {rel} {p} {arr[p]:.3f}: {ok(c)}")
+      if arr["oracle"] is not None:
+        lines.append(f"* (Oracle ARR at this budget: {arr['oracle']:.3f}; tau(oracle)/tau(full) "
+                     f"= {val(at('oracle', budget), 'tau') / t_f:.1%})")
+      lines.append("")
+  return lines
 
 
 def extra_sections(out_dir) -> list[str]:
