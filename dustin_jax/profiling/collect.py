@@ -191,10 +191,7 @@ def _run_recorded(pair, base, rec, gamma, max_new, on_step, progress):
                              verify="full")
     on_step(st, out, None)
     n, n_acc, active = jax.device_get((out.n_emitted, out.n_accepted, out.active))
-    stats.steps += 1
-    stats.seq_steps += int(active.sum())
-    stats.accepted += int(n_acc.sum())
-    stats.tokens += int(n.sum())
+    stats.record(n, active, n_acc)
     if bool(np.all(jax.device_get(st.decode.done))):
       break
   return RunResult([], stats)

@@ -337,10 +337,7 @@ def run_policy(pair: Pair, base: Base, policy, *, gamma: int, max_new_tokens: in
     tokens, n, n_acc, active, arr_h = jax.device_get(
         (out.tokens, out.n_emitted, out.n_accepted, out.active, arr))
     outs.append(tokens)
-    stats.steps += 1
-    stats.tokens += int(n.sum())
-    stats.seq_steps += int(active.sum())
-    stats.accepted += int(n_acc.sum())
+    stats.record(n, active, n_acc)
     for i in range(b):
       if active[i]:
         res.accepted_per_seq[i] += int(n_acc[i])
