@@ -74,3 +74,50 @@ def parse_device_times(ev, labels, n_calls):
     span = max(b for _, b in iv) - min(a for a, _ in iv)
     res.append((busy_time(iv) / n / 1e3, span / n / 1e3))
   return res
+
+
+class DeviceTimer:
+  """GPU time of host windows, read from a profiler trace.
+
+      with DeviceTimer() as t:
+        with t.window("draft"):
+          jax.block_until_ready(draft())
+      t.ms("draft")  # [ms per window], or None without device events (CPU)
+
+  A window's device time is the union of the kernel intervals that start
+  inside it, so a window must block until its work is done. Wall-clock
+  timing of a step also counts the host's dispatch; this does not."""
+
+  def __init__(self):
+    self._labels: list[str] = []
+    self._dir = None
+    self._ev = None
+
+  def __enter__(self):
+    import tempfile
+    import jax
+    self._dir = tempfile.mkdtemp(prefix="device_timer_")
+    jax.profiler.start_trace(self._dir, create_perfetto_trace=True)
+    return self
+
+  def __exit__(self, *exc):
+    import jax
+    jax.profiler.stop_trace()
+    self._ev = load_trace_events(self._dir)
+    return False
+
+  def window(self, name: str):
+    import jax
+    label = f"{name}#{len(self._labels)}"
+    self._labels.append(label)
+    return jax.profiler.TraceAnnotation(label)
+
+  def ms(self, name: str) -> list[float] | None:
+    labels = [lab for lab in self._labels if lab.rsplit("#", 1)[0] == name]
+    busy = [b for b, _ in parse_device_times(self._ev, labels, [1] * len(labels))]
+    return None if any(b is None for b in busy) else busy
+
+
+def median(xs):
+  xs = sorted(xs)
+  return xs[len(xs) // 2]

@@ -3,7 +3,7 @@ r"""End-to-end step time of each decoding method, per phase, on random weights.
   python -m scripts.bench_e2e --out_dir=results/h200 --models=qwen7b \
       --contexts=8192,16384,32768 --batches=16,8,1 --gammas=4
 
-Methods (one process, warm compiled steps, `block_until_ready`):
+Methods (one process, warm compiled steps, random weights of the real shapes):
   vanilla       plain autoregressive decoding, our full-cache decode_attention
                 kernel: THE baseline every speedup is stated against
   vanilla_xla   the same with plain XLA attention (the closest analogue of
@@ -14,12 +14,19 @@ Methods (one process, warm compiled steps, `block_until_ready`):
   streaming     sink + window verification, streaming draft cache
   quest         Quest page selection, streaming draft cache
 
-Caches are filled with random values up to the context length and reused
-(after each step the lengths are reset): every step runs at the same
-context. All methods of one (model, batch, gamma) share one cache buffer
-sized for the longest context, which the kernels read only up to `lengths`;
-vanilla_xla reads the whole buffer, so it is timed only where the context
-fills it. Tokens/s = tau / step time, where tau is the mean accepted length
+Step time (`step_ms`, the basis of every speedup) is measured as the decode
+loops of dustin_jax run: steps queued back to back with the host one step
+ahead, then `block_until_ready`, divided by the steps. Also recorded:
+`step_sync_ms` (each step waited for: + the host's dispatch) and `gpu_ms`
+(GPU kernel time per step from a profiler trace). Per-phase times come from
+the phases jitted apart (`dustin_jax.spec.phases`), in GPU kernel time.
+
+Caches are filled with random values up to the context length; lengths
+start at the context and grow by the committed tokens. All methods of one
+(model, batch, gamma) share one cache buffer sized for the longest context
+(+ the rows the timed steps commit), which the kernels read only up to
+`lengths`; vanilla_xla reads the whole buffer, so it is timed only at the
+longest context. Tokens/s = tau / step time, where tau is the mean accepted length
 measured on the real offline pair (`--tau_json`, from scripts/eval_longctx.py
 on the CPU); records say which tau was used and where it came from.
 """
@@ -69,67 +76,87 @@ def _pairs():
           "llama3_8b": (shapes.LLAMA3_8B, shapes.LLAMA32_1B)}
 
 
-def _timed(fn, repeats):
+def _time_loop(step, carry, repeats):
+  """Time `step(carry) -> (carry, out)` as a decode loop runs it, after two
+  warm-up steps (the first compiles). Returns ({step_ms: steps queued back
+  to back, the host one step ahead as in generate(), / steps;
+  step_sync_ms: median of steps each waited for, host dispatch included;
+  gpu_ms: GPU kernel time per step, None without a GPU}, carry)."""
   import jax
-  times = []
-  for i in range(repeats + 2):  # 2 warm-up runs (the first compiles)
+  from dustin_jax.benchmarking import DeviceTimer, median
+  for _ in range(2):
+    carry, out = step(carry)
+    jax.block_until_ready(out)
+  sync = []
+  for _ in range(repeats):
     t0 = time.perf_counter()
-    jax.block_until_ready(fn())
-    if i >= 2:
-      times.append(time.perf_counter() - t0)
-  times.sort()
-  return 1e3 * times[len(times) // 2]
+    carry, out = step(carry)
+    jax.block_until_ready(out)
+    sync.append(time.perf_counter() - t0)
+  t0 = time.perf_counter()
+  for _ in range(repeats):
+    carry, out = step(carry)
+  jax.block_until_ready(out)
+  ahead = (time.perf_counter() - t0) / repeats
+  with DeviceTimer() as timer:
+    with timer.window("steps"):
+      for _ in range(repeats):
+        carry, out = step(carry)
+      jax.block_until_ready(out)
+  gpu = timer.ms("steps")
+  return dict(step_ms=1e3 * ahead, step_sync_ms=1e3 * median(sync),
+              gpu_ms=gpu[0] / repeats if gpu else None), carry
 
 
 def bench_vanilla(target, cache, context, impl, repeats):
+  """Times of the vanilla step (see `_time_loop`) and the cache. The cache
+  lengths start at `context` and grow by one per step."""
   import jax
   import jax.numpy as jnp
-  from dustin_jax.generate import DecodeState, vanilla_step
-  from dustin_jax.sampling import SamplingConfig
+  from dustin_jax.generate import DecodeState, bind_vanilla_step
   b = cache.batch
+  step = bind_vanilla_step(target, impl=impl)
   ds0 = DecodeState.init([[1, 2]] * b, 1 << 30, jax.random.key(0))
-  state = {"cache": cache}
-  def step():
-    c, ds, out, n = vanilla_step(target.graphdef, target.state, state["cache"], ds0,
-                                 sampling=SamplingConfig(), impl=impl)
-    state["cache"] = c.with_lengths(jnp.full((b,), context, jnp.int32))
-    return out
-  ms = _timed(step, repeats)
-  return ms, state["cache"]
+  def run(carry):
+    c, ds, out, n = step(*carry)
+    return (c, ds), out
+  start = (cache.with_lengths(jnp.full((b,), context, jnp.int32)), ds0)
+  times, (cache, _) = _time_loop(run, start, repeats)
+  return times, cache
 
 
 def bench_spec(target, draft, tcache, dcache, context, cfg, repeats, phases=True):
-  """(fused step ms, {phase: ms}, temp bytes of the compiled step, caches)."""
+  """(step times (see `_time_loop`), phase times or None, temp bytes of the
+  compiled step, caches). Lengths start at `context` and grow as tokens are
+  committed; the per-phase timing resets them to `context` every step."""
   import jax
   import jax.numpy as jnp
   from dustin_jax.generate import DecodeState
   from dustin_jax.spec.phases import estimation_ms, time_phases_donated
-  from dustin_jax.spec.step import SpecState, spec_step
+  from dustin_jax.spec.step import SpecState, bind_spec_step
   b = tcache.batch
   full = jnp.full((b,), context, jnp.int32)
   ds0 = DecodeState.init([[1, 2]] * b, 1 << 30, jax.random.key(0))
-  st = {"s": SpecState(tcache, dcache, jax.tree_util.tree_map(lambda x: x.copy(), ds0),
-                       cfg.policy.init(b, tcache.max_len))}
-  def reset(s):  # the step donates its whole state: hand it a fresh decode state
-    fresh = jax.tree_util.tree_map(lambda x: x.copy(), ds0)
-    return SpecState(s.target.with_lengths(full.copy()), s.draft.with_lengths(full.copy()), fresh,
-                     s.signals)
-  tg, tp, dg, dp = target.graphdef, target.state, draft.graphdef, draft.state
-  compiled = spec_step.lower(tg, tp, dg, dp, st["s"], cfg=cfg).compile()
-  mem = compiled.memory_analysis()
+  fresh = lambda: jax.tree_util.tree_map(lambda x: x.copy(), ds0)
+  st = SpecState(tcache.with_lengths(full.copy()), dcache.with_lengths(full.copy()), fresh(),
+                 cfg.policy.init(b, tcache.max_len))
+  step = bind_spec_step(target, draft, cfg)
+  mem = step.lower(st).compile().memory_analysis()
   temp = int(getattr(mem, "temp_size_in_bytes", -1)) if mem is not None else -1
-  def step():
-    s, out = spec_step(tg, tp, dg, dp, st["s"], cfg=cfg)
-    st["s"] = reset(s)
-    return out.tokens
-  ms = _timed(step, repeats)
+  times, st = _time_loop(step, st, repeats)
   if not phases:
-    return ms, None, temp, st["s"].target, st["s"].draft
-  phases, s = time_phases_donated(target, draft, st["s"], cfg, repeats, reset)
+    return times, None, temp, st.target, st.draft
+  def reset(s):  # the step donates its whole state: hand it a fresh decode state
+    return SpecState(s.target.with_lengths(full.copy()), s.draft.with_lengths(full.copy()),
+                     fresh(), s.signals)
+  wall, dev, st = time_phases_donated(target, draft, reset(st), cfg, repeats, reset)
+  ph = dict(dev or wall, basis="device" if dev else "wall",
+            wall={k: round(v, 4) for k, v in wall.items()})
   if cfg.policy.draft_tap_layers or cfg.policy.target_tap_layers:
     # the scorings run inside draft and verify; this times them on their own
-    phases["estimate_isolated"] = estimation_ms(target, draft, s, cfg, repeats)
-  return ms, phases, temp, s.target, s.draft
+    est_wall, est_dev = estimation_ms(target, draft, st, cfg, repeats)
+    ph["estimate_isolated"] = est_dev if est_dev is not None else est_wall
+  return times, ph, temp, st.target, st.draft
 
 
 def floor_bytes(method, tcfg, dcfg, batch, context, gamma, budget, policy):
@@ -202,7 +229,6 @@ def main(argv):
   if FLAGS.xla_flags:
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + FLAGS.xla_flags).strip()
   import jax
-  import numpy as np
   from dustin_jax import sharding
   from dustin_jax.cache import random_cache
   from dustin_jax.config import ModelConfig
@@ -236,7 +262,8 @@ def main(argv):
     draft = Model(dcfg, *random_params(dcfg, seed=1))
     for batch in (int(b) for b in FLAGS.batches):
       for gamma in (int(g) for g in FLAGS.gammas):
-        max_len = max_ctx + gamma + 8
+        # room for the rows the timed steps commit (lengths grow from `context`)
+        max_len = max_ctx + (3 * FLAGS.repeats + 2 * 2 + 2) * (gamma + 1) + 8
         plan = sharding.memory_plan(tcfg, dcfg, batch=batch, max_len=max_len, data=1, model=1,
                                     gamma=gamma, capacity=cap)
         if not plan.fits():
@@ -267,19 +294,16 @@ def main(argv):
             try:
               if method.startswith("vanilla"):
                 impl = "reference" if method == "vanilla_xla" else "auto"
-                tcache = tcache.with_lengths(np.full((batch,), context, np.int32))
-                ms, tcache = bench_vanilla(target, tcache, context, impl, FLAGS.repeats)
-                rec.update(step_ms=ms, phase_ms={"verify": ms})
-                vanilla_ms[(method, context)] = ms
+                times, tcache = bench_vanilla(target, tcache, context, impl, FLAGS.repeats)
+                rec.update(times, phase_ms={"verify": times["gpu_ms"] or times["step_ms"]})
+                vanilla_ms[(method, context)] = times["step_ms"]
               else:
                 cfg = SpecConfig(gamma=gamma, policy=policy,
                                  draft_kv="full" if method == "sd_full" else "streaming")
-                tcache = tcache.with_lengths(np.full((batch,), context, np.int32))
-                dcache = dcache.with_lengths(np.full((batch,), context, np.int32))
-                ms, phases, temp, tcache, dcache = bench_spec(
+                times, phases, temp, tcache, dcache = bench_spec(
                     target, draft, tcache, dcache, context, cfg, FLAGS.repeats,
                     phases=str(batch) in FLAGS.phase_batches)
-                rec.update(step_ms=ms, phase_ms=phases, compiled_temp_bytes=temp)
+                rec.update(times, phase_ms=phases, compiled_temp_bytes=temp)
               rec["floor_bytes"] = floor_bytes(method, tcfg, dcfg, batch, context, gamma,
                                                FLAGS.budget, policy)
               price(rec, taus, tau_path, vanilla_ms.get(("vanilla", context)))

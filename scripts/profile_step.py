@@ -32,15 +32,19 @@ FLAGS = flags.FLAGS
 
 
 def profile(fn, steps):
+  """`fn()` runs one step and returns its output; steps are queued back to
+  back (the host one step ahead, as the decode loops run) and waited for
+  at the end."""
   import jax
   jax.block_until_ready(fn())  # compile + warm up
   jax.block_until_ready(fn())
   d = tempfile.mkdtemp(prefix="prof_step_")
-  t0 = time.perf_counter()
   with jax.profiler.trace(d, create_perfetto_trace=True):
+    t0 = time.perf_counter()
     for _ in range(steps):
-      jax.block_until_ready(fn())
-  wall = (time.perf_counter() - t0) / steps
+      o = fn()
+    jax.block_until_ready(o)
+    wall = (time.perf_counter() - t0) / steps
   dev = device_events(load_trace_events(d))
   per = collections.Counter()
   count = collections.Counter()
@@ -61,10 +65,9 @@ def main(argv):
   from configs import shapes
   from dustin_jax.cache import random_cache
   from dustin_jax.config import ModelConfig
-  from dustin_jax.generate import DecodeState, Model, vanilla_step
-  from dustin_jax.sampling import SamplingConfig
+  from dustin_jax.generate import DecodeState, Model, bind_vanilla_step
   from dustin_jax.selection.policies import policy_from_config
-  from dustin_jax.spec.step import SpecConfig, SpecState, spec_step
+  from dustin_jax.spec.step import SpecConfig, SpecState, bind_spec_step
   from dustin_jax.weights import random_params
 
   thf, dhf, layers = dict(shapes.QWEN25_7B), dict(shapes.QWEN25_05B), None
@@ -74,33 +77,32 @@ def main(argv):
   tcfg = ModelConfig.from_hf(thf, dtype="bfloat16", num_layers=layers)
   dcfg = ModelConfig.from_hf(dhf, dtype="bfloat16", num_layers=layers)
   target, draft = Model(tcfg, *random_params(tcfg, 0)), Model(dcfg, *random_params(dcfg, 1))
-  max_len = ctx + FLAGS.gamma + 8
+  max_len = ctx + (FLAGS.steps + 2) * (FLAGS.gamma + 1) + 8  # lengths grow as steps commit
   full = jnp.full((b,), ctx, jnp.int32)
   ds0 = DecodeState.init([[1, 2]] * b, 1 << 30, jax.random.key(0))
   fresh = lambda: jax.tree_util.tree_map(lambda x: x.copy(), ds0)
   out = {"device": jax.devices()[0].device_kind, "batch": b, "context": ctx,
          "gamma": FLAGS.gamma, "jax_version": jax.__version__}
 
-  box = {"c": random_cache(tcfg, b, max_len, ctx, 11)}
-  def vstep():
-    c, _, o, _ = vanilla_step(target.graphdef, target.state, box["c"], ds0,
-                              sampling=SamplingConfig())
-    box["c"] = c.with_lengths(full.copy())
+  vstep = bind_vanilla_step(target)
+  box = {"c": random_cache(tcfg, b, max_len, ctx, 11), "ds": ds0}
+  def vrun():  # lengths grow by one per step from `ctx`
+    box["c"], box["ds"], o, _ = vstep(box["c"], box["ds"])
     return o
-  out["vanilla"] = profile(vstep, FLAGS.steps)
+  out["vanilla"] = profile(vrun, FLAGS.steps)
   print(json.dumps({"vanilla": {k: v for k, v in out["vanilla"].items() if k != "top"}}), flush=True)
 
   policy = policy_from_config(dict(policy="dustin", budget=512, n_sink=16, n_window=64, m=128),
                               tcfg, dcfg)
   cfg = SpecConfig(gamma=FLAGS.gamma, policy=policy, draft_kv="streaming")
-  st = {"s": SpecState(box.pop("c"), random_cache(dcfg, b, max_len, ctx, 13), fresh(),
-                       policy.init(b, max_len))}
-  def sstep():
-    s, o = spec_step(target.graphdef, target.state, draft.graphdef, draft.state, st["s"], cfg=cfg)
-    st["s"] = SpecState(s.target.with_lengths(full.copy()), s.draft.with_lengths(full.copy()),
-                        fresh(), s.signals)
+  c = box.pop("c")
+  st = {"s": SpecState(c.with_lengths(full.copy()), random_cache(dcfg, b, max_len, ctx, 13),
+                       fresh(), policy.init(b, max_len))}
+  sstep = bind_spec_step(target, draft, cfg)
+  def srun():
+    st["s"], o = sstep(st["s"])
     return o.tokens
-  out["dustin"] = profile(sstep, FLAGS.steps)
+  out["dustin"] = profile(srun, FLAGS.steps)
   print(json.dumps({"dustin": {k: v for k, v in out["dustin"].items() if k != "top"}}), flush=True)
   os.makedirs(FLAGS.out_dir, exist_ok=True)
   with open(os.path.join(FLAGS.out_dir, "profile_step.json"), "w") as f:

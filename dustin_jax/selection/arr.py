@@ -126,7 +126,8 @@ def arr_step_fn(target_graphdef, target_params, draft_graphdef, draft_params, st
   ds = dataclasses.replace(ds, rng=rng)
   new, out, n, active = commit_phase(target_cache, draft_cache, ds, tokens, n_acc,
                                      signals, cfg)
-  return (new, StepOutput(out, n, jnp.where(active, n_acc, 0), active, kv_indices),
+  return (new, StepOutput(out, n, jnp.where(active, n_acc, 0), active, new.decode.done,
+                         kv_indices),
           arr, per_layer)
 
 

@@ -13,7 +13,7 @@ from dustin_jax.cache import KVCache
 from dustin_jax.generate import (DecodeState, DecodeStats, InputError, Model, 
                                  check_lengths, collect, prefill)
 from dustin_jax.progress import progress as progress_bar
-from dustin_jax.spec.step import SpecConfig, SpecState, spec_step
+from dustin_jax.spec.step import SpecConfig, SpecState, bind_spec_step
 
 
 def check_pair(target: Model, draft: Model) -> None:
@@ -56,18 +56,27 @@ def generate_speculative(target: Model, draft: Model, prompts: Sequence[Sequence
                   cfg=cfg, seed=seed, chunk=chunk, progress=progress)
   jax.block_until_ready(st)
   stats.prefill_s = time.perf_counter() - t0
+  step = bind_spec_step(target, draft, cfg)
   outs = []
   bar = progress_bar(desc="decode", total=max_new_tokens * len(prompts), enabled=progress)
   t0 = time.perf_counter()
+  st, out = step(st)
   while True:
-    st, out = spec_step(target.graphdef, target.state, draft.graphdef, draft.state, st, cfg=cfg)
-    if on_step is not None:
+    if on_step is not None:  # hooks read the state: no running ahead
       on_step(st, out)
-    tokens, n, n_acc, active = jax.device_get((out.tokens, out.n_emitted, out.n_accepted, out.active))
+    else:
+      # queue step t+1 before reading step t: the host's dispatch overlaps
+      # the device's work (the step after the last one is wasted)
+      st, ahead = step(st)
+    tokens, n, n_acc, active, done = jax.device_get(
+        (out.tokens, out.n_emitted, out.n_accepted, out.active, out.done))
     outs.append(tokens)
     bar.update(stats.record(n, active, n_acc))
-    if bool(np.all(jax.device_get(st.decode.done))):
+    if bool(np.all(done)):
       break
+    if on_step is not None:
+      st, ahead = step(st)
+    out = ahead
   stats.decode_s = time.perf_counter() - t0
   bar.close()
   return collect(outs), stats

@@ -9,12 +9,14 @@ fused step time: fusion and overlap are lost at the boundaries.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import time
 
 import jax
 
+from dustin_jax.benchmarking import DeviceTimer, median
 from dustin_jax.spec.step import (SpecConfig, SpecState, accept, commit_phase, draft_phase,
                                   verify_phase)
 
@@ -43,13 +45,16 @@ def _commit(target, draft, ds, logits, q, drafts, signals, rng, cfg: SpecConfig)
                       cfg)
 
 
-def one_step_timed(target, draft, st: SpecState, cfg: SpecConfig):
-  """Run one step phase by phase. Returns (new state, {phase: seconds})."""
+def one_step_timed(target, draft, st: SpecState, cfg: SpecConfig, timer=None):
+  """Run one step phase by phase. Returns (new state, {phase: wall seconds});
+  with a `DeviceTimer`, each phase is also a window of it."""
   ds, t = st.decode, {}
   def clock(name, fn):
-    t0 = time.perf_counter()
-    out = jax.block_until_ready(fn())
-    t[name] = time.perf_counter() - t0
+    window = timer.window(name) if timer is not None else contextlib.nullcontext()
+    with window:
+      t0 = time.perf_counter()
+      out = jax.block_until_ready(fn())
+      t[name] = time.perf_counter() - t0
     return out
   drafts, q, dcache, signals, rng = clock("draft", lambda: _draft(
       draft.graphdef, draft.state, st.draft, ds, st.signals, cfg))
@@ -64,19 +69,26 @@ def one_step_timed(target, draft, st: SpecState, cfg: SpecConfig):
 
 def time_phases_donated(target, draft, st: SpecState, cfg: SpecConfig, repeats: int = 5,
                         reset=lambda s: s):
-  """{phase: median ms} over `repeats` steps after two warm-up steps.
+  """Per-phase times over `repeats` steps after two warm-up steps: returns
+  ({phase: median wall ms}, {phase: median device ms} or None where the
+  profiler sees no device (CPU), last state). Wall times include each
+  phase's dispatch from the host; device times are GPU kernel time only.
   `st` is consumed; `reset(new_state)` prepares the next step (benchmarks
-  reset the lengths so that every step runs at the same context). Returns
-  (times, last state)."""
-  samples = {p: [] for p in PHASES}
-  for i in range(repeats + 2):
-    st, t = one_step_timed(target, draft, st, cfg)
+  reset the lengths so that every step runs at the same context)."""
+  for _ in range(2):
+    st, _ = one_step_timed(target, draft, st, cfg)
     st = reset(st)
-    if i >= 2:
+  samples = {p: [] for p in PHASES}
+  with DeviceTimer() as timer:
+    for _ in range(repeats):
+      st, t = one_step_timed(target, draft, st, cfg, timer)
+      st = reset(st)
       for p in PHASES:
         samples[p].append(t[p])
-  med = {p: 1e3 * sorted(v)[len(v) // 2] for p, v in samples.items()}
-  return med, st
+  wall = {p: 1e3 * median(v) for p, v in samples.items()}
+  dev = {p: timer.ms(p) for p in PHASES}
+  dev = None if any(v is None for v in dev.values()) else {p: median(v) for p, v in dev.items()}
+  return wall, dev, st
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "draft_heads", "target_heads"))
@@ -99,16 +111,20 @@ def _estimate(signals, draft_cache, target_cache, key, cfg: SpecConfig, draft_he
   return policy.select(signals, target_cache, cfg.gamma), signals
 
 
-def estimation_ms(target, draft, st: SpecState, cfg: SpecConfig, repeats: int = 5) -> float:
-  """Median ms of the estimation alone (see `_estimate`); nothing donated."""
+def estimation_ms(target, draft, st: SpecState, cfg: SpecConfig, repeats: int = 5):
+  """Median (wall ms, device ms or None) of the estimation alone (see
+  `_estimate`); nothing donated."""
   key = jax.random.key(0)
   fn = lambda: _estimate(st.signals, st.draft, st.target, key, cfg, draft.cfg.num_heads,
                          target.cfg.num_heads)
   jax.block_until_ready(fn())
   jax.block_until_ready(fn())
   times = []
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn())
-    times.append(time.perf_counter() - t0)
-  return 1e3 * sorted(times)[len(times) // 2]
+  with DeviceTimer() as timer:
+    for _ in range(repeats):
+      with timer.window("estimate"):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - t0)
+  dev = timer.ms("estimate")
+  return 1e3 * median(times), (median(dev) if dev else None)

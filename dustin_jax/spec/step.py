@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dustin_jax.cache import KVCache
-from dustin_jax.generate import DecodeState, emit
+from dustin_jax.generate import BoundStep, DecodeState, Model, emit
 from dustin_jax.sampling import SamplingConfig, pad_vocab, probs, sample
 from dustin_jax.selection.base import FullCache, sink_window_indices
 
@@ -68,6 +68,7 @@ class StepOutput:
   n_emitted: jax.Array   # int32[B]
   n_accepted: jax.Array  # int32[B] draft tokens accepted (before stop cuts)
   active: jax.Array      # bool[B] sequence was unfinished at step start
+  done: jax.Array        # bool[B] sequence is finished after this step
   kv_indices: Any        # the verification set used (None: full cache)
 
 
@@ -208,8 +209,14 @@ def spec_step_fn(target_graphdef, target_params, draft_graphdef, draft_params,
   # 5. commit
   ds = dataclasses.replace(ds, rng=rng)
   new, out, n, active = commit_phase(target_cache, draft_cache, ds, tokens, n_acc, signals, cfg)
-  return new, StepOutput(out, n, jnp.where(active, n_acc, 0), active, kv_indices)
+  return new, StepOutput(out, n, jnp.where(active, n_acc, 0), active, new.decode.done, kv_indices)
 
 
 spec_step = jax.jit(spec_step_fn, static_argnames=("target_graphdef", "draft_graphdef", "cfg"),
                     donate_argnames=("st",))
+
+
+def bind_spec_step(target: Model, draft: Model, cfg: SpecConfig) -> BoundStep:
+  """`spec_step` for a decode loop: `step(st) -> (st, out)`, the state
+  donated, with cheap dispatch (see `BoundStep`)."""
+  return BoundStep(spec_step_fn, (target, draft), donate=(0,), cfg=cfg)
