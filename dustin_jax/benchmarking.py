@@ -113,9 +113,11 @@ class DeviceTimer:
     return jax.profiler.TraceAnnotation(label)
 
   def ms(self, name: str) -> list[float] | None:
+    if not device_events(self._ev):
+      return None
     labels = [lab for lab in self._labels if lab.rsplit("#", 1)[0] == name]
-    busy = [b for b, _ in parse_device_times(self._ev, labels, [1] * len(labels))]
-    return None if any(b is None for b in busy) else busy
+    # a window that launched no kernel (e.g. the full cache's empty selection) took 0
+    return [b or 0.0 for b, _ in parse_device_times(self._ev, labels, [1] * len(labels))]
 
 
 def median(xs):

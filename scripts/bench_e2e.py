@@ -53,7 +53,11 @@ flags.DEFINE_integer("n_sink", 16, "attention-sink rows always verified")
 flags.DEFINE_integer("n_window", 64, "recent rows always verified")
 flags.DEFINE_integer("m", 128, "dustin: rows chosen by the draft signal")
 flags.DEFINE_integer("repeats", 10, "timed steps per measurement (median)")
-flags.DEFINE_integer("num_layers", 0, "keep only this many layers (smoke runs)")
+flags.DEFINE_integer("num_layers", 0, "keep only this many layers of both models (smoke runs)")
+flags.DEFINE_list("target_layers", [], "time the target with only these many layers (the draft "
+                  "whole), each in turn; with two or more counts, the step time of the whole "
+                  "target is projected linearly in the layer count (records with "
+                  "`projected_from`): how a 72B target is measured on one GPU")
 flags.DEFINE_string("tau_json", "results/eval/tau.json", "tau per (policy, gamma, budget)")
 flags.DEFINE_float("time_budget_s", 540, "stop starting new configs after this long")
 flags.DEFINE_bool("smoke", False, "tiny shapes on CPU (schema test)")
@@ -73,7 +77,8 @@ def _pairs():
     from configs import tiny  # (imports ml_collections, absent on the GPU machine)
     return {"tiny": (tiny.tiny_hf(4), tiny.tiny_hf(2))}
   return {"qwen7b": (shapes.QWEN25_7B, shapes.QWEN25_05B),
-          "llama3_8b": (shapes.LLAMA3_8B, shapes.LLAMA32_1B)}
+          "llama3_8b": (shapes.LLAMA3_8B, shapes.LLAMA32_1B),
+          "qwen72b": (shapes.QWEN25_72B, shapes.QWEN25_05B)}
 
 
 def _time_loop(step, carry, repeats):
@@ -211,12 +216,15 @@ def price(rec, taus, tau_path, vanilla_step_ms):
 def reprice(path):
   taus, tau_path = load_tau(FLAGS.tau_json)
   with open(path) as f:
-    records = json.load(f)
-  base = {(r["model"], r["batch"], r["gamma"], r["context"]): r["step_ms"] for r in records
+    records = [r for r in json.load(f) if not r.get("projected_from")]
+  records += project_layers(records, sorted({r["model"] for r in records if r.get("model")}),
+                            taus, tau_path)
+  where = lambda r: (r["model"], r.get("target_layers"), r["batch"], r["gamma"], r["context"])
+  base = {where(r): r["step_ms"] for r in records
           if r.get("method") == "vanilla" and r.get("step_ms")}
   for r in records:
     if r.get("step_ms"):
-      price(r, taus, tau_path, base.get((r["model"], r["batch"], r["gamma"], r["context"])))
+      price(r, taus, tau_path, base.get(where(r)))
   with open(path, "w") as f:
     json.dump(records, f, indent=1)
   _finish(records, path)
@@ -253,10 +261,12 @@ def main(argv):
     with open(out_json, "w") as f:
       json.dump(records, f, indent=1)
 
-  for name in FLAGS.models:
+  runs = [(name, int(tl) if tl else None) for name in FLAGS.models
+          for tl in (FLAGS.target_layers or [""])]
+  for name, target_layers in runs:
     thf, dhf = _pairs()[name]
     layers = FLAGS.num_layers or None
-    tcfg = ModelConfig.from_hf(dict(thf), dtype="bfloat16", num_layers=layers)
+    tcfg = ModelConfig.from_hf(dict(thf), dtype="bfloat16", num_layers=target_layers or layers)
     dcfg = ModelConfig.from_hf(dict(dhf), dtype="bfloat16", num_layers=layers)
     target = Model(tcfg, *random_params(tcfg, seed=0))
     draft = Model(dcfg, *random_params(dcfg, seed=1))
@@ -289,7 +299,7 @@ def main(argv):
               continue  # XLA reads the whole buffer: only fair where context fills it
             rec = dict(method=method, model=name, batch=batch, context=context, gamma=gamma,
                        budget=FLAGS.budget if method in ("dustin", "streaming", "quest") else None,
-                       device=device, jax_version=jax.__version__,
+                       target_layers=tcfg.num_layers, device=device, jax_version=jax.__version__,
                        xla_flags=os.environ.get("XLA_FLAGS", ""))
             try:
               if method.startswith("vanilla"):
@@ -318,7 +328,43 @@ def main(argv):
                   flush=True)
             save()
         del tcache, dcache
+    del target, draft
+  records += project_layers(records, FLAGS.models, taus, tau_path)
+  save()
   _finish(records, out_json)
+
+
+def project_layers(records, models, taus, tau_path):
+  """Step time of the whole target from runs with fewer target layers: the
+  step is linear in the target's layer count (each layer adds its weights,
+  KV rows and kernels; the draft and the LM heads are fixed), so two counts
+  give the line. Priced like measured records and marked `projected_from`."""
+  from configs import shapes  # noqa: F401 -- _pairs() needs it
+  out = []
+  ok = [r for r in records if r.get("step_ms") and not r.get("error")]
+  keys = {(r["method"], r["model"], r["batch"], r["context"], r["gamma"]) for r in ok}
+  full_layers = {m: _pairs()[m][0]["num_hidden_layers"] for m in models}
+  for key in sorted(keys):
+    pts = sorted({r["target_layers"]: r for r in ok if
+                  (r["method"], r["model"], r["batch"], r["context"], r["gamma"]) == key}.items())
+    n_full = full_layers[key[1]]
+    if len(pts) < 2 or pts[-1][0] >= n_full:
+      continue
+    (l1, r1), (l2, r2) = pts[0], pts[-1]
+    rec = {k: r2[k] for k in ("method", "model", "batch", "context", "gamma", "budget", "device",
+                              "jax_version", "xla_flags")}
+    at = lambda a, b: a + (b - a) * (n_full - l1) / (l2 - l1)
+    rec.update(target_layers=n_full, projected_from=[l1, l2],
+               step_ms=at(r1["step_ms"], r2["step_ms"]))
+    if r1.get("phase_ms") and r2.get("phase_ms"):
+      rec["phase_ms"] = {p: at(r1["phase_ms"][p], r2["phase_ms"][p]) for p in r2["phase_ms"]
+                         if isinstance(r2["phase_ms"][p], float) and p in r1["phase_ms"]}
+    out.append(rec)
+  base = {(r["model"], r["batch"], r["gamma"], r["context"]): r["step_ms"] for r in out
+          if r["method"] == "vanilla"}
+  for r in out:
+    price(r, taus, tau_path, base.get((r["model"], r["batch"], r["gamma"], r["context"])))
+  return out
 
 
 def _finish(records, out_json):
@@ -336,14 +382,17 @@ def save_plot(records, path):
   models = sorted({r["model"] for r in ok})
   fig, axes = plt.subplots(1, len(models), figsize=(7 * len(models), 5), squeeze=False)
   for ax, m in zip(axes[0], models):
-    for (method, batch, gamma) in sorted({(r["method"], r["batch"], r["gamma"]) for r in ok
-                                          if r["model"] == m and r["method"] != "vanilla"}):
+    line = lambda r: (r["method"], r["batch"], r["gamma"], r.get("target_layers") or 0,
+                      bool(r.get("projected_from")))
+    for key in sorted({line(r) for r in ok if r["model"] == m and r["method"] != "vanilla"}):
+      method, batch, gamma, layers, projected = key
       pts = sorted((r["context"], r.get("speedup_vs_vanilla") or r.get("step_speedup_vs_vanilla"))
-                   for r in ok if (r["model"], r["method"], r["batch"], r["gamma"]) ==
-                   (m, method, batch, gamma))
+                   for r in ok if r["model"] == m and line(r) == key)
       pts = [p for p in pts if p[1]]
+      label = f"{method} B{batch} γ{gamma}" + (f" {layers} layers" if layers else "")
       if pts:
-        ax.plot(*zip(*pts), marker="o", label=f"{method} B{batch} γ{gamma}")
+        ax.plot(*zip(*pts), marker="o", ls="--" if projected else "-",
+                label=label + (" (projected)" if projected else ""))
     ax.set_xscale("log", base=2)
     ax.set_xlabel("context (tokens)")
     ax.set_ylabel("speedup vs vanilla (tokens/s; step time where tau unknown)")
