@@ -343,8 +343,11 @@ def project_layers(records, models, taus, tau_path):
   out = []
   ok = [r for r in records if r.get("step_ms") and not r.get("error")]
   keys = {(r["method"], r["model"], r["batch"], r["context"], r["gamma"]) for r in ok}
-  full_layers = {m: _pairs()[m][0]["num_hidden_layers"] for m in models}
+  pairs = _pairs()
+  full_layers = {m: pairs[m][0]["num_hidden_layers"] for m in models if m in pairs}
   for key in sorted(keys):
+    if key[1] not in full_layers:
+      continue
     pts = sorted({r["target_layers"]: r for r in ok if
                   (r["method"], r["model"], r["batch"], r["context"], r["gamma"]) == key}.items())
     n_full = full_layers[key[1]]
