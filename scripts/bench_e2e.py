@@ -60,6 +60,8 @@ flags.DEFINE_list("target_layers", [], "time the target with only these many lay
                   "`projected_from`): how a 72B target is measured on one GPU")
 flags.DEFINE_string("tau_json", "results/eval/tau.json", "tau per (policy, gamma, budget)")
 flags.DEFINE_float("time_budget_s", 540, "stop starting new configs after this long")
+flags.DEFINE_string("compile_cache_dir", "/tmp/dustin_jax_compile_cache",
+                    "persistent XLA compilation cache of this run")
 flags.DEFINE_bool("smoke", False, "tiny shapes on CPU (schema test)")
 flags.DEFINE_string("reprice", "", "an existing e2e.json: fill in tau, tokens/s and speedups "
                     "from --tau_json (no device needed), rewrite it and its plot")
@@ -237,6 +239,10 @@ def main(argv):
   if FLAGS.xla_flags:
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + FLAGS.xla_flags).strip()
   import jax
+  # the step's memory statistics come from an AOT compile; with this cache
+  # the jitted call that follows loads that executable instead of compiling again
+  jax.config.update("jax_compilation_cache_dir", FLAGS.compile_cache_dir)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
   from dustin_jax import sharding
   from dustin_jax.cache import random_cache
   from dustin_jax.config import ModelConfig
