@@ -13,6 +13,18 @@ def dot(a, b, trans_b=False):
   return plt.dot(a, b, trans_b=trans_b, precision=prec)
 
 
+def packed_rows(M: int, G: int, T: int, Hq: int, h):
+  """The M query rows of KV head `h` packed in one tile (r = t * G + g):
+  (verify token t of each row, row holds a real query, its row in the
+  [B, T * Hq, D] view of the queries; padding rows point past the end and
+  are masked, never touched)."""
+  r = jnp.arange(M, dtype=jnp.int32)
+  t_r = r // G
+  row_ok = r < G * T
+  qrow = jnp.where(row_ok, t_r * Hq + h * G + (r % G), T * Hq)
+  return t_r, row_ok, qrow
+
+
 def softmax_init(rows: int, head_dim: int):
   """(o, m, l) of an online softmax over no keys yet."""
   return (jnp.zeros((rows, head_dim), jnp.float32),

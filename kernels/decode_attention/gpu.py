@@ -34,14 +34,8 @@ def _kernel(len_ref, q_ref, k_ref, v_ref, *out_refs, T, G, Hq, M, D, BK,
   kv_end = jnp.minimum(L + T, S)
   c0 = j * chunk
 
-  r = jnp.arange(M, dtype=jnp.int32)
+  t_r, row_ok, qrow = gpu_common.packed_rows(M, G, T, Hq, h)
   cols = jnp.arange(D, dtype=jnp.int32)
-  t_r = r // G
-  row_ok = r < G * T
-  R = T * Hq
-  # Row of q / out in the [B, T*Hq, D] view; padded rows point past the end
-  # (masked: never touched).
-  qrow = jnp.where(row_ok, t_r * Hq + h * G + (r % G), R)
   qlim = L + t_r  # last key position row r may see
 
   @pl.when(c0 < kv_end)

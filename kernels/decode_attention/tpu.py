@@ -20,7 +20,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from kernels import common
+from kernels import common, tpu_common
 
 
 def _kernel(len_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref,
@@ -68,24 +68,6 @@ def _kernel(len_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref,
     l_ref[...] = l_sc[...]
 
 
-def pack_queries(q, Hkv, M):
-  """[B, T, Hq, D] -> [B, Hkv, M, D], row r = t * G + g (zero padded)."""
-  B, T, Hq, D = q.shape
-  G = Hq // Hkv
-  qp = q.reshape(B, T, Hkv, G, D).transpose(0, 2, 1, 3, 4)
-  qp = qp.reshape(B, Hkv, T * G, D)
-  return jnp.pad(qp, ((0, 0), (0, 0), (0, M - T * G), (0, 0)))
-
-
-def unpack_rows(x, T, G):
-  """[J, B, Hkv, M, ...] -> [J, B, T * Hq, ...] (natural row order)."""
-  J, B, Hkv = x.shape[:3]
-  rest = x.shape[4:]
-  x = x[:, :, :, :T * G].reshape(J, B, Hkv, T, G, *rest)
-  x = jnp.moveaxis(x, 3, 2)  # [J, B, T, Hkv, G, ...]
-  return x.reshape(J, B, T * Hkv * G, *rest)
-
-
 def decode_attention_tpu(q, k, v, lengths, *, scale=None, interpret=False,
                          block_k=None, chunk=None):
   B, T, Hq, D, Hkv, S = common.check_attention_shapes(q, k, v)
@@ -102,13 +84,15 @@ def decode_attention_tpu(q, k, v, lengths, *, scale=None, interpret=False,
   M = common.round_up(G * T, 8)
   scale = common.default_scale(D, scale)
   lengths = lengths.astype(jnp.int32)
-  qp = pack_queries(q, Hkv, M)
+  qp = tpu_common.pack_queries(q, Hkv, M)
 
   def kv_map(b, h, j, i, len_ref):
     last = (jnp.minimum(len_ref[b] + T, S) - 1) // block_k
     blk = jnp.minimum(jnp.minimum(j * NB + i, last), n_blocks - 1)
     return (b, h, blk, 0)
 
+  out_specs, out_shape = tpu_common.partial_outputs(
+      J, B, Hkv, M, D, lambda b, h, j, i, L: (j, b, h, 0, 0))
   grid_spec = pltpu.PrefetchScalarGridSpec(
       num_scalar_prefetch=1,
       grid=(B, Hkv, J, NB),
@@ -117,14 +101,7 @@ def decode_attention_tpu(q, k, v, lengths, *, scale=None, interpret=False,
           pl.BlockSpec((None, None, block_k, D), kv_map),
           pl.BlockSpec((None, None, block_k, D), kv_map),
       ],
-      out_specs=[
-          pl.BlockSpec((None, None, None, M, D),
-                       lambda b, h, j, i, L: (j, b, h, 0, 0)),
-          pl.BlockSpec((None, None, None, M, 1),
-                       lambda b, h, j, i, L: (j, b, h, 0, 0)),
-          pl.BlockSpec((None, None, None, M, 1),
-                       lambda b, h, j, i, L: (j, b, h, 0, 0)),
-      ],
+      out_specs=out_specs,
       scratch_shapes=[pltpu.VMEM((M, D), jnp.float32),
                       pltpu.VMEM((M, 1), jnp.float32),
                       pltpu.VMEM((M, 1), jnp.float32)],
@@ -134,17 +111,11 @@ def decode_attention_tpu(q, k, v, lengths, *, scale=None, interpret=False,
   o, m, l = pl.pallas_call(
       kernel,
       grid_spec=grid_spec,
-      out_shape=[jax.ShapeDtypeStruct((J, B, Hkv, M, D), jnp.float32),
-                 jax.ShapeDtypeStruct((J, B, Hkv, M, 1), jnp.float32),
-                 jax.ShapeDtypeStruct((J, B, Hkv, M, 1), jnp.float32)],
+      out_shape=out_shape,
       compiler_params=pltpu.CompilerParams(
           dimension_semantics=("parallel", "parallel", "parallel",
                                "arbitrary")),
       interpret=pltpu.InterpretParams() if interpret else False,
       name="decode_attention_tpu",
   )(lengths, qp, k, v)
-  o = unpack_rows(o, T, G)
-  m = unpack_rows(m, T, G)[..., 0]
-  l = unpack_rows(l, T, G)[..., 0]
-  out = common.combine_partials(o, m, l, q.dtype)
-  return out.reshape(B, T, Hq, D)
+  return tpu_common.merge_partials(o, m, l, T, G, q.dtype)

@@ -39,12 +39,8 @@ def _kernel(len_ref, idx_ref, q_ref, k_ref, v_ref, *refs, T, G, Hq, Hkv, M, D,
   j = pl.program_id(2)
   L = len_ref[b]
 
-  r = jnp.arange(M, dtype=jnp.int32)
+  t_r, row_ok, qrow = gpu_common.packed_rows(M, G, T, Hq, h)
   cols = jnp.arange(D, dtype=jnp.int32)
-  t_r = r // G
-  row_ok = r < G * T
-  R = T * Hq
-  qrow = jnp.where(row_ok, t_r * Hq + h * G + (r % G), R)
   qlim = L + t_r
   q = plt.load(q_ref.at[b, qrow[:, None], cols[None, :]],
                mask=row_ok[:, None], other=0.0)

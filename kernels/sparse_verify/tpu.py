@@ -21,8 +21,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from kernels import common
-from kernels.decode_attention.tpu import pack_queries, unpack_rows
+from kernels import common, tpu_common
 from kernels.sparse_verify.reference import extended_positions
 
 
@@ -105,8 +104,10 @@ def sparse_verify_tpu(q, k, v, lengths, indices, *, scale=None,
   pos, valid = extended_positions(indices, lengths, T)
   pos = jnp.where(valid & (pos < S), pos, -1)
   pos = jnp.pad(pos, ((0, 0), (0, N - (K + T))), constant_values=-1)
-  qp = pack_queries(q, Hkv, M)
+  qp = tpu_common.pack_queries(q, Hkv, M)
 
+  out_specs, out_shape = tpu_common.partial_outputs(
+      J, B, Hkv, M, D, lambda b, h, j, L, I: (j, b, h, 0, 0))
   grid_spec = pltpu.PrefetchScalarGridSpec(
       num_scalar_prefetch=2,
       grid=(B, Hkv, J),
@@ -117,14 +118,7 @@ def sparse_verify_tpu(q, k, v, lengths, indices, *, scale=None,
           pl.BlockSpec(memory_space=pl.ANY),
           pl.BlockSpec(memory_space=pl.ANY),
       ],
-      out_specs=[
-          pl.BlockSpec((None, None, None, M, D),
-                       lambda b, h, j, L, I: (j, b, h, 0, 0)),
-          pl.BlockSpec((None, None, None, M, 1),
-                       lambda b, h, j, L, I: (j, b, h, 0, 0)),
-          pl.BlockSpec((None, None, None, M, 1),
-                       lambda b, h, j, L, I: (j, b, h, 0, 0)),
-      ],
+      out_specs=out_specs,
       scratch_shapes=[pltpu.VMEM((2, block_k, D), k.dtype),
                       pltpu.VMEM((2, block_k, D), v.dtype),
                       pltpu.SemaphoreType.DMA((2, 2))],
@@ -134,15 +128,10 @@ def sparse_verify_tpu(q, k, v, lengths, indices, *, scale=None,
   o, m, l = pl.pallas_call(
       kernel,
       grid_spec=grid_spec,
-      out_shape=[jax.ShapeDtypeStruct((J, B, Hkv, M, D), jnp.float32),
-                 jax.ShapeDtypeStruct((J, B, Hkv, M, 1), jnp.float32),
-                 jax.ShapeDtypeStruct((J, B, Hkv, M, 1), jnp.float32)],
+      out_shape=out_shape,
       compiler_params=pltpu.CompilerParams(
           dimension_semantics=("parallel", "parallel", "parallel")),
       interpret=pltpu.InterpretParams() if interpret else False,
       name="sparse_verify_tpu",
   )(lengths, pos, qp, pos[:, None, :], k, v)
-  o = unpack_rows(o, T, G)
-  m = unpack_rows(m, T, G)[..., 0]
-  l = unpack_rows(l, T, G)[..., 0]
-  return common.combine_partials(o, m, l, q.dtype).reshape(B, T, Hq, D)
+  return tpu_common.merge_partials(o, m, l, T, G, q.dtype)

@@ -8,29 +8,12 @@ import jax.numpy as jnp
 
 from kernels.decode_attention import ops
 from kernels.decode_attention.reference import decode_attention_reference
+from kernel_cases import ON_GPU, random_qkv, rel_err
 
-ON_GPU = jax.default_backend() == "gpu"
 
 
 def make_case(seed, B, T, Hq, Hkv, S, D, lengths, dtype=jnp.float32):
-  """Random q/k/v (never zeros) with NaN garbage past lengths + T."""
-  ks = jax.random.split(jax.random.PRNGKey(seed), 3)
-  q = jax.random.normal(ks[0], (B, T, Hq, D), jnp.float32)
-  k = jax.random.normal(ks[1], (B, Hkv, S, D), jnp.float32)
-  v = jax.random.normal(ks[2], (B, Hkv, S, D), jnp.float32)
-  lengths = jnp.asarray(lengths, jnp.int32)
-  stale = (jnp.arange(S)[None, None, :, None]
-           >= (lengths + T)[:, None, None, None])
-  k = jnp.where(stale, jnp.nan, k)
-  v = jnp.where(stale, jnp.nan, v)
-  return q.astype(dtype), k.astype(dtype), v.astype(dtype), lengths
-
-
-def rel_err(out, ref):
-  out = np.asarray(out, np.float64)
-  ref = np.asarray(ref, np.float64)
-  assert np.isfinite(out).all(), "non-finite output (garbage leaked?)"
-  return np.linalg.norm(out - ref) / np.linalg.norm(ref)
+  return random_qkv(seed, B, T, Hq, Hkv, S, D, lengths, dtype)
 
 
 def numpy_oracle(q, k, v, lengths, scale=None):

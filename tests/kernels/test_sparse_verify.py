@@ -9,23 +9,14 @@ import jax.numpy as jnp
 from kernels.decode_attention.reference import decode_attention_reference
 from kernels.sparse_verify import ops
 from kernels.sparse_verify.reference import sparse_verify_reference
-
-ON_GPU = jax.default_backend() == "gpu"
+from kernel_cases import ON_GPU, random_qkv, rel_err
 
 
 def make_case(seed, B, T, Hq, Hkv, S, D, lengths, K, dtype=jnp.float32,
               fill=0.8):
   """Random q/k/v with NaN garbage past lengths + T, and duplicate-free
   random indices < lengths (a share `fill` of them real, the rest -1)."""
-  ks = jax.random.split(jax.random.PRNGKey(seed), 5)
-  q = jax.random.normal(ks[0], (B, T, Hq, D), jnp.float32)
-  k = jax.random.normal(ks[1], (B, Hkv, S, D), jnp.float32)
-  v = jax.random.normal(ks[2], (B, Hkv, S, D), jnp.float32)
-  lengths = jnp.asarray(lengths, jnp.int32)
-  stale = (jnp.arange(S)[None, None, :, None]
-           >= (lengths + T)[:, None, None, None])
-  k = jnp.where(stale, jnp.nan, k)
-  v = jnp.where(stale, jnp.nan, v)
+  q, k, v, lengths = random_qkv(seed, B, T, Hq, Hkv, S, D, lengths)
   rng = np.random.default_rng(seed)
   idx = np.full((B, K), -1, np.int32)
   for b in range(B):
@@ -41,13 +32,6 @@ def make_case(seed, B, T, Hq, Hkv, S, D, lengths, K, dtype=jnp.float32,
 def all_context(lengths, K):
   ar = jnp.arange(K, dtype=jnp.int32)[None, :]
   return jnp.where(ar < lengths[:, None], ar, -1)
-
-
-def rel_err(out, ref):
-  out = np.asarray(out, np.float64)
-  ref = np.asarray(ref, np.float64)
-  assert np.isfinite(out).all(), "non-finite output (garbage leaked?)"
-  return np.linalg.norm(out - ref) / np.linalg.norm(ref)
 
 
 def f32(*xs):

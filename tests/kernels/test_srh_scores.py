@@ -8,19 +8,14 @@ import jax.numpy as jnp
 
 from kernels.srh_scores import ops
 from kernels.srh_scores.reference import srh_scores_reference
+from kernel_cases import ON_GPU, random_qkv
 
-ON_GPU = jax.default_backend() == "gpu"
 
 
 def make_case(seed, B, T, n, Hkv, S, D, lengths, dtype=jnp.float32):
-  ks = jax.random.split(jax.random.PRNGKey(seed), 2)
-  q = jax.random.normal(ks[0], (B, T, n, D), jnp.float32)
-  k = jax.random.normal(ks[1], (B, Hkv, S, D), jnp.float32)
-  lengths = jnp.asarray(lengths, jnp.int32)
-  stale = (jnp.arange(S)[None, None, :, None]
-           >= (lengths + T)[:, None, None, None])
-  k = jnp.where(stale, jnp.nan, k)
-  return q.astype(dtype), k.astype(dtype), lengths
+  """n selected query heads [B, T, n, D] and a key cache, NaN past lengths + T."""
+  q, k, _, lengths = random_qkv(seed, B, T, n, Hkv, S, D, lengths, dtype)
+  return q, k, lengths
 
 
 def numpy_oracle(q, k, lengths, kv_head, q_valid, reduce):
