@@ -51,3 +51,22 @@ def test_sampling_config_rejects_bad_values():
     SamplingConfig(temperature=1.0, top_p=0.0)
   with pytest.raises(ValueError, match="temperature"):
     SamplingConfig(temperature=-1.0)
+
+
+def test_bound_step_compiles_once_and_binds_its_params(tiny_llama, rng):
+  import jax
+  from dustin_jax.generate import bind_vanilla_step
+  model = Model(*load_hf_checkpoint(tiny_llama[0], dtype="float32"))
+  prompts = [rng.integers(0, 97, size=n).tolist() for n in (5, 8)]
+  step = bind_vanilla_step(model, sampling=SamplingConfig())
+  before = step.compiled_count()
+  first, _ = generate(model, prompts, max_new_tokens=6, max_len=24, chunk=8)
+  again, _ = generate(model, prompts, max_new_tokens=6, max_len=24, chunk=8)
+  assert again == first
+  # both calls (and all their steps) ran one executable, compiled once
+  assert step.compiled_count() == before + 1
+  # the params are bound when binding: other params, other tokens
+  zeroed = Model(model.cfg, model.graphdef,
+                 jax.tree_util.tree_map(lambda x: x * 0.5, model.state))
+  other, _ = generate(zeroed, prompts, max_new_tokens=6, max_len=24, chunk=8)
+  assert other != first

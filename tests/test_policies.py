@@ -60,11 +60,12 @@ def policy(name, pair, budget, n_sink=2, n_window=4, m=None):
 def test_budget_covering_the_context_is_lossless_and_compiles_once(pair, prompts, reference, name):
   target, draft = pair
   cfg = SpecConfig(gamma=GAMMA, policy=policy(name, pair, budget=MAX_LEN))
+  before = bind_spec_step(target, draft, cfg).compiled_count()
   out, stats = generate_speculative(target, draft, prompts, max_new_tokens=NEW,
                                     max_len=MAX_LEN, cfg=cfg)
   assert out == reference
   # the engine's step compiled once over all its steps (and stays cached)
-  assert stats.steps >= 3 and bind_spec_step(target, draft, cfg).compiled_count() == 1
+  assert stats.steps >= 3 and bind_spec_step(target, draft, cfg).compiled_count() == before + 1
 
 
 def test_oracle_in_the_arr_step_is_lossless_at_full_budget(pair, prompts, reference):
