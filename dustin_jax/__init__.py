@@ -23,6 +23,8 @@ _EXPORTS = {
     "SpecState": "dustin_jax.spec.step",
     "spec_step": "dustin_jax.spec.step",
     "spec_step_fn": "dustin_jax.spec.step",
+    "bind_spec_step": "dustin_jax.spec.step",
+    "bind_vanilla_step": "dustin_jax.generate",
     "init_state": "dustin_jax.spec.engine",
     "generate_speculative": "dustin_jax.spec.engine",
     "make_policy": "dustin_jax.selection.policies",
