@@ -215,18 +215,23 @@ def price(rec, taus, tau_path, vanilla_step_ms):
   rec["step_speedup_vs_vanilla"] = vanilla_step_ms / rec["step_ms"] if vanilla_step_ms else None
 
 
-def reprice(path):
-  taus, tau_path = load_tau(FLAGS.tau_json)
-  with open(path) as f:
-    records = [r for r in json.load(f) if not r.get("projected_from")]
-  records += project_layers(records, sorted({r["model"] for r in records if r.get("model")}),
-                            taus, tau_path)
+def price_all(records, taus, tau_path):
+  """`price` every timed record against the vanilla step of its own (model,
+  target layers, batch, gamma, context)."""
   where = lambda r: (r["model"], r.get("target_layers"), r["batch"], r["gamma"], r["context"])
   base = {where(r): r["step_ms"] for r in records
           if r.get("method") == "vanilla" and r.get("step_ms")}
   for r in records:
     if r.get("step_ms"):
       price(r, taus, tau_path, base.get(where(r)))
+
+
+def reprice(path):
+  taus, tau_path = load_tau(FLAGS.tau_json)
+  with open(path) as f:
+    records = [r for r in json.load(f) if not r.get("projected_from")]
+  records += project_layers(records, sorted({r["model"] for r in records if r.get("model")}))
+  price_all(records, taus, tau_path)
   with open(path, "w") as f:
     json.dump(records, f, indent=1)
   _finish(records, path)
@@ -278,8 +283,10 @@ def main(argv):
     draft = Model(dcfg, *random_params(dcfg, seed=1))
     for batch in (int(b) for b in FLAGS.batches):
       for gamma in (int(g) for g in FLAGS.gammas):
-        # room for the rows the timed steps commit (lengths grow from `context`)
-        max_len = max_ctx + (3 * FLAGS.repeats + 2 * 2 + 2) * (gamma + 1) + 8
+        # room for the rows the timed steps commit: lengths grow from `context`
+        # over _time_loop's steps (the phase timing resets them), + 4 spare steps
+        committed_steps = 2 + 3 * FLAGS.repeats
+        max_len = max_ctx + (committed_steps + 4) * (gamma + 1) + 8
         plan = sharding.memory_plan(tcfg, dcfg, batch=batch, max_len=max_len, data=1, model=1,
                                     gamma=gamma, capacity=cap)
         if not plan.fits():
@@ -335,17 +342,17 @@ def main(argv):
             save()
         del tcache, dcache
     del target, draft
-  records += project_layers(records, FLAGS.models, taus, tau_path)
+  records += project_layers(records, FLAGS.models)
+  price_all(records, taus, tau_path)
   save()
   _finish(records, out_json)
 
 
-def project_layers(records, models, taus, tau_path):
+def project_layers(records, models):
   """Step time of the whole target from runs with fewer target layers: the
   step is linear in the target's layer count (each layer adds its weights,
   KV rows and kernels; the draft and the LM heads are fixed), so two counts
-  give the line. Priced like measured records and marked `projected_from`."""
-  from configs import shapes  # noqa: F401 -- _pairs() needs it
+  give the line. Unpriced records marked `projected_from`."""
   out = []
   ok = [r for r in records if r.get("step_ms") and not r.get("error")]
   keys = {(r["method"], r["model"], r["batch"], r["context"], r["gamma"]) for r in ok}
@@ -369,10 +376,6 @@ def project_layers(records, models, taus, tau_path):
       rec["phase_ms"] = {p: at(r1["phase_ms"][p], r2["phase_ms"][p]) for p in r2["phase_ms"]
                          if isinstance(r2["phase_ms"][p], float) and p in r1["phase_ms"]}
     out.append(rec)
-  base = {(r["model"], r["batch"], r["gamma"], r["context"]): r["step_ms"] for r in out
-          if r["method"] == "vanilla"}
-  for r in out:
-    price(r, taus, tau_path, base.get((r["model"], r["batch"], r["gamma"], r["context"])))
   return out
 
 

@@ -51,6 +51,26 @@ def test_greedy_speculative_equals_greedy_vanilla(pair, gamma, rng):
     assert stats.accepted > 0, "the noisy draft should agree with the target sometimes"
 
 
+def test_on_step_hook_sees_every_step_before_the_next_one(pair, rng):
+  import numpy as np
+  target, draft = pair
+  prompts = prompts_of(rng, [7, 11])
+  plain, _ = generate_speculative(target, draft, prompts, max_new_tokens=12, max_len=48,
+                                  cfg=SpecConfig(gamma=3))
+  seen = []
+  def hook(st, out):  # reads the state the next step will consume
+    seen.append((np.asarray(st.target.lengths), np.asarray(out.n_emitted)))
+  hooked, stats = generate_speculative(target, draft, prompts, max_new_tokens=12, max_len=48,
+                                       cfg=SpecConfig(gamma=3), on_step=hook)
+  assert hooked == plain
+  assert len(seen) == stats.steps
+  # each step commits exactly what it emits: the lengths after the last
+  # step are the prompt rows plus every emitted token
+  lengths, _ = seen[-1]
+  emitted = sum(n for _, n in seen)
+  np.testing.assert_array_equal(lengths, [len(p) - 1 for p in prompts] + emitted)
+
+
 def test_streaming_draft_is_still_lossless(pair, rng):
   target, draft = pair
   prompts = prompts_of(rng, [30, 12])

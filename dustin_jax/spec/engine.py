@@ -62,20 +62,17 @@ def generate_speculative(target: Model, draft: Model, prompts: Sequence[Sequence
   t0 = time.perf_counter()
   st, out = step(st)
   while True:
-    if on_step is not None:  # hooks read the state: no running ahead
+    if on_step is not None:  # before the next step consumes (donates) the state
       on_step(st, out)
-    else:
-      # queue step t+1 before reading step t: the host's dispatch overlaps
-      # the device's work (the step after the last one is wasted)
-      st, ahead = step(st)
+    # queue step t+1 before reading step t: the host's dispatch overlaps the
+    # device's work (the step after the last one is wasted)
+    st, ahead = step(st)
     tokens, n, n_acc, active, done = jax.device_get(
         (out.tokens, out.n_emitted, out.n_accepted, out.active, out.done))
     outs.append(tokens)
     bar.update(stats.record(n, active, n_acc))
     if bool(np.all(done)):
       break
-    if on_step is not None:
-      st, ahead = step(st)
     out = ahead
   stats.decode_s = time.perf_counter() - t0
   bar.close()
