@@ -219,10 +219,9 @@ def _tf_block_fn(t_graphdef, t_params, d_graphdef, d_params, st, real, cfg):
   Exactly the speculative step with the draft's guesses replaced by the real
   tokens: the draft runs over [prev, pending, real_1 .. real_{gamma-1}] (its
   lookahead queries are those predicting real_1 .. real_gamma, fed to the
-  policy in one `observe_draft` call: the signals are sums/maxes over
-  queries, so one call over the gamma queries equals the step's gamma
-  calls), the policy selects I_verify, the target verifies [pending,
-  real_1 .. real_gamma] attending to I_verify plus the block
+  policy in one `observe_draft` call, as in the step), the policy selects
+  I_verify, the target verifies [pending, real_1 .. real_gamma] attending
+  to I_verify plus the block
   (`step.verify_phase`), and its logits score real_1 .. real_{gamma+1}. The
   whole block is committed (pending <- real_{gamma+1}). The Oracle gets its
   full-cache pass first, as in `arr_step`. Returns (state, nll f32[B, gamma+1],
@@ -240,7 +239,7 @@ def _tf_block_fn(t_graphdef, t_params, d_graphdef, d_params, st, real, cfg):
   _, dcache, taps = draft(dtoks, st.draft.with_lengths(base - 1),
                           tap_layers=policy.draft_tap_layers, impl=cfg.impl)
   taps = {l: q[:, 1:] for l, q in taps.items()}
-  signals = policy.observe_draft(st.signals, taps, dcache.with_lengths(base), 0)
+  signals = policy.observe_draft(st.signals, taps, dcache.with_lengths(base))
   drafts = real[:, :gamma]
   if hasattr(policy, "observe_full_verify"):
     target = nnx.merge(t_graphdef, t_params)

@@ -63,26 +63,27 @@ def test_target_signal_used_at_step_t_is_the_one_of_step_t_minus_1():
   assert list(np.asarray(pol.select(signals, cache_t1, gamma))[0]) == [0, 9, 14]
 
 
-def test_draft_signal_accumulates_over_a_step_and_resets():
+def test_draft_signal_sums_the_steps_queries_each_causally_and_is_replaced():
   rng = np.random.default_rng(1)
   pol = Dustin(budget=8, n_sink=1, n_window=1, m=6, draft_heads=((0, 1), (1, 3)),
                target_heads=())
   assert pol.draft_tap_layers == (0, 1) and pol.target_tap_layers == ()
   cache = make_cache(rng, 2, [10])
   signals = pol.init(B, S)
+  # the gamma = 3 lookahead queries of one step, query i at position 10 + i,
+  # scored in one call: the sum of scoring each alone over the keys it sees
+  taps = {l: jnp.asarray(rng.normal(size=(B, 3, HQ, D)), jnp.float32) for l in (0, 1)}
+  signals = jax.jit(pol.observe_draft)(signals, taps, cache)
   want = 0.0
-  for i in range(3):  # the draft queries of one step: query i at position 10 + i
-    taps = {l: jnp.asarray(rng.normal(size=(B, 1, HQ, D)), jnp.float32) for l in (0, 1)}
+  for i in range(3):
     c = cache.with_lengths(jnp.asarray([10 + i]))
-    # the step passes i as a Python 0 first, then traced ints from a scan
-    signals = jax.jit(pol.observe_draft)(signals, taps, c, jnp.asarray(i)) if i else \
-        pol.observe_draft(signals, taps, c, 0)
-    want = want + srh_scores(taps[0][:, :, 1:2], c.k[0], c.lengths, (0,)) \
-        + srh_scores(taps[1][:, :, 3:4], c.k[1], c.lengths, (1,))
+    one = lambda l, h, g: srh_scores(taps[l][:, i:i + 1, h:h + 1], c.k[l], c.lengths, (g,))
+    want = want + one(0, 1, 0) + one(1, 3, 1)
   np.testing.assert_allclose(signals["draft"], want, rtol=1e-5)
   assert float(signals["draft"].sum()) == pytest.approx(3 * 2, rel=1e-4)  # 2 heads x 3 queries
+  assert float(signals["draft"][0, 13:].sum()) == 0.0  # nothing past the last query's key
   taps = {l: jnp.asarray(rng.normal(size=(B, 1, HQ, D)), jnp.float32) for l in (0, 1)}
-  signals = pol.observe_draft(signals, taps, cache, 0)   # next step: reset
+  signals = pol.observe_draft(signals, taps, cache)   # next step: replaced
   assert float(signals["draft"].sum()) == pytest.approx(2, rel=1e-4)
 
 

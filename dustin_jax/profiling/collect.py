@@ -8,7 +8,7 @@ verify step of REAL speculative decoding on calibration text:
   linear in the set, so ARR(I) = sum of `w` over I);
 * `draft`: the draft-lookahead score of EVERY draft (layer, query head): the
   SRH score (`kernels.srh_scores`) of that single head, summed over the gamma
-  draft queries of the step -- what `Dustin.observe_draft` accumulates;
+  draft queries of the step -- what `Dustin.observe_draft` computes;
 * `target`: the score of EVERY target (layer, query head) at the step's
   gamma+1 verify queries against the full cache -- what
   `Dustin.observe_target` computes; the search uses step t-1's scores for
@@ -93,11 +93,10 @@ class Recorder:
             "target": z(self.target_layers * self.target_heads_per_layer),
             "w": jnp.zeros((batch, max_len), jnp.float32)}
 
-  def observe_draft(self, signals, taps, draft_cache, i):
+  def observe_draft(self, signals, taps, draft_cache):
     new = jnp.concatenate([per_head_scores(taps[l], draft_cache.k[l], draft_cache.lengths,
                                            impl=self.impl) for l in self.draft_tap_layers], 1)
-    acc = jnp.where(jnp.asarray(i) == 0, new, signals["draft"] + new)
-    return {**signals, "draft": acc}
+    return {**signals, "draft": new}
 
   def observe_full_verify(self, signals, taps, target_cache, gamma):
     w = jnp.mean(layer_weights(taps, target_cache, impl=self.impl), axis=1)

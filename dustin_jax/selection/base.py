@@ -5,11 +5,13 @@ in METHOD.md's order; policy state (`signals`) is a pytree carried in the
 step state from one step to the next:
 
   signals = policy.init(batch, max_len)
-  per draft query i:  signals = policy.observe_draft(signals, taps, draft_cache, i)
+  after drafting:     signals = policy.observe_draft(signals, taps, draft_cache)
   kv_indices          = policy.select(signals, target_cache, gamma)   # None: full cache
   after verify:       signals = policy.observe_target(signals, taps, target_cache, gamma)
 
-`taps` maps a layer index to that layer's queries [B, T, Hq, D]; a policy
+`taps` maps a layer index to that layer's queries [B, T, Hq, D] (query t at
+position `cache.lengths[b] + t`; for the draft, the gamma lookahead queries
+predicting d_1 .. d_gamma, with every key they see already written); a policy
 names the layers it needs in `draft_tap_layers` / `target_tap_layers`, and
 the models return only those.
 """
@@ -33,7 +35,7 @@ class FullCache:
   def init(self, batch: int, max_len: int):
     return ()
 
-  def observe_draft(self, signals, taps, draft_cache, i):
+  def observe_draft(self, signals, taps, draft_cache):
     return signals
 
   def select(self, signals, target_cache, gamma):

@@ -13,10 +13,10 @@ the seam of `selection/base.py`.
 
 Signals (carried from step to step in `SpecState.signals`):
 
-* draft-lookahead, `signals["draft"]: f32[B, S]`: reset at the first draft
-  query of each step (`i == 0`) and accumulated over the gamma draft queries
-  of the step; each query at position `draft_cache.lengths[b]` scores the
-  draft keys `p <= lengths[b]`.
+* draft-lookahead, `signals["draft"]: f32[B, S]`: replaced each step by the
+  scores of the step's gamma draft queries (those predicting d_1 .. d_gamma),
+  summed (or maxed) over them; query t at position `draft_cache.lengths[b] + t`
+  scores the draft keys `p <= lengths[b] + t`.
 * target-historical, `signals["target"]: f32[B, S]`: computed in
   `observe_target` from the gamma+1 verify queries against the FULL target
   cache (keys `p <= lengths[b] + t`: the committed context and, causally, the
@@ -95,12 +95,11 @@ class _TieredSRH:
       out["target"] = zeros()
     return out
 
-  def observe_draft(self, signals, taps, draft_cache, i):
+  def observe_draft(self, signals, taps, draft_cache):
     if not self.draft_heads:
       return signals
     new = sig.srh_signal(self.draft_heads, taps, draft_cache, reduce=self.reduce, impl=self.impl)
-    acc = jnp.where(jnp.asarray(i) == 0, new, sig.combine(signals["draft"], new, self.reduce))
-    return {**signals, "draft": acc}
+    return {**signals, "draft": new}
 
   def select(self, signals, target_cache, gamma):
     lengths, s = target_cache.lengths, target_cache.max_len
@@ -203,7 +202,7 @@ class Streaming:
   def init(self, batch, max_len):
     return ()
 
-  def observe_draft(self, signals, taps, draft_cache, i):
+  def observe_draft(self, signals, taps, draft_cache):
     return signals
 
   def select(self, signals, target_cache, gamma):
@@ -276,7 +275,7 @@ class Quest:
             "upto": jnp.zeros((batch,), jnp.int32),
             "score": jnp.zeros((batch, n_pages), jnp.float32)}
 
-  def observe_draft(self, signals, taps, draft_cache, i):
+  def observe_draft(self, signals, taps, draft_cache):
     return signals
 
   def observe_target(self, signals, taps, target_cache, gamma):
@@ -343,7 +342,7 @@ class Oracle:
   def init(self, batch, max_len):
     return {}
 
-  def observe_draft(self, signals, taps, draft_cache, i):
+  def observe_draft(self, signals, taps, draft_cache):
     return signals
 
   def observe_full_verify(self, signals, taps, target_cache, gamma):

@@ -93,9 +93,9 @@ def time_phases_donated(target, draft, st: SpecState, cfg: SpecConfig, repeats: 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "draft_heads", "target_heads"))
 def _estimate(signals, draft_cache, target_cache, key, cfg: SpecConfig, draft_heads, target_heads):
-  """The method's estimation alone: gamma lookahead scorings on the draft's
-  SRH layers, one historical scoring on the target's, and the selection,
-  on random queries of the right shapes."""
+  """The method's estimation alone: the lookahead scoring of gamma queries on
+  the draft's SRH layers, the historical scoring of gamma + 1 on the
+  target's, and the selection, on random queries of the right shapes."""
   policy, b = cfg.policy, target_cache.batch
   keys = jax.random.split(key, len(policy.draft_tap_layers) + len(policy.target_tap_layers) + 1)
   def taps(layers, t, heads, ks):
@@ -103,9 +103,8 @@ def _estimate(signals, draft_cache, target_cache, key, cfg: SpecConfig, draft_he
                                      if heads == target_heads else draft_cache.k[0].shape[-1]),
                                  target_cache.k[0].dtype) for l, k in zip(layers, ks)}
   nd = len(policy.draft_tap_layers)
-  for i in range(cfg.gamma):
-    t = taps(policy.draft_tap_layers, 1, draft_heads, keys[:nd])
-    signals = policy.observe_draft(signals, t, draft_cache.with_lengths(draft_cache.lengths + i), i)
+  t = taps(policy.draft_tap_layers, cfg.gamma, draft_heads, keys[:nd])
+  signals = policy.observe_draft(signals, t, draft_cache)
   t = taps(policy.target_tap_layers, cfg.gamma + 1, target_heads, keys[nd:-1])
   signals = policy.observe_target(signals, t, target_cache, cfg.gamma)
   return policy.select(signals, target_cache, cfg.gamma), signals

@@ -75,7 +75,7 @@ class StepOutput:
 # ------------------------------------------------------------------ phases
 def draft_phase(graphdef, params, cache: KVCache, ds: DecodeState, signals, cfg: SpecConfig):
   """gamma draft tokens, their draft distributions [B, gamma, V_d] and the
-  policy's lookahead signal. The draft cache gets rows for prev, pending and
+  policy's lookahead signal (its gamma queries scored in one call). The draft cache gets rows for prev, pending and
   d_1 .. d_{gamma-1}; its committed length is not moved."""
   model = nnx.merge(graphdef, params)
   policy = cfg.policy
@@ -98,24 +98,27 @@ def draft_phase(graphdef, params, cache: KVCache, ds: DecodeState, signals, cfg:
   keys = jax.random.split(ds.rng, cfg.gamma + 1)
   logits, taps, cache = forward(cache, jnp.stack([ds.prev, ds.pending], 1), base - 1)
   # the lookahead queries are those that predict d_1 .. d_gamma: pending's first
-  taps = {layer: q[:, 1:] for layer, q in taps.items()}
-  signals = policy.observe_draft(signals, taps, cache.with_lengths(base), 0)
+  first_taps = {layer: q[:, 1:] for layer, q in taps.items()}
   tok, q = pick(logits, keys[1])
 
   def body(carry, xs):
-    cache, tok, signals = carry
+    cache, tok = carry
     i, key = xs
     logits, taps, cache = forward(cache, tok[:, None], base + i)
-    signals = policy.observe_draft(signals, taps, cache.with_lengths(base + i), i)
     nxt, q = pick(logits, key)
-    return (cache, nxt, signals), (nxt, q)
+    return (cache, nxt), (nxt, q, taps)
 
   # unrolled: on XLA:GPU a while loop waits on the host at every iteration
-  (c, _, signals), (toks, qs) = jax.lax.scan(
-      body, (cache, tok, signals), (jnp.arange(1, cfg.gamma), keys[2:]),
-      unroll=max(cfg.gamma - 1, 1))
+  (c, _), (toks, qs, scan_taps) = jax.lax.scan(
+      body, (cache, tok), (jnp.arange(1, cfg.gamma), keys[2:]), unroll=max(cfg.gamma - 1, 1))
   drafts = jnp.concatenate([tok[:, None], jnp.moveaxis(toks, 0, 1)], axis=1)
   q_all = jnp.concatenate([q[:, None], jnp.moveaxis(qs, 0, 1)], axis=1)
+  # the lookahead signal from all gamma queries at once, after drafting: every
+  # key they attend to is written by now, and one scoring reads the SRH keys
+  # once instead of gamma times
+  lookahead = {layer: jnp.concatenate([q0, jnp.moveaxis(scan_taps[layer], 0, 1)[:, :, 0]], 1)
+               for layer, q0 in first_taps.items()}
+  signals = policy.observe_draft(signals, lookahead, c.with_lengths(base))
   rng = keys[0]
   return drafts, q_all, c.with_lengths(base), signals, rng
 
