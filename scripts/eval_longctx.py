@@ -34,7 +34,9 @@ Metrics (long-format records, see README.md of the output directory):
 * accuracy: task score (dustin_jax/eval/tasks.py) of the generated answer.
 
 Resumable: records already in the output JSON (same model, policy, budget,
-context, task, metric, seed) are skipped.
+context, task, metric, seed and the same items: `source`) are skipped; a
+record of other items (say, another `--n_prompts`) is measured again and
+replaced, `full` first, as the agreement reference.
 """
 
 from __future__ import annotations
@@ -314,8 +316,11 @@ def run_eval(pair):
   records = load_records(out_path)
   outputs = load_records(outputs_path) if os.path.isfile(outputs_path) else []
   outputs = {o["key"]: o for o in outputs} if isinstance(outputs, list) else {}
-  done = {(r["model"], r["policy"], r["budget"], r["context"], r["task"], r["metric"],
-           r["seed"]) for r in records}
+  # a record is done only for the same items: its `source` names them (text
+  # offsets, item count), so a rerun with other prompts replaces it
+  key_of = lambda r: (r["model"], r["policy"], r["budget"], r["context"], r["task"],
+                      r["metric"], r["seed"])
+  done = {key_of(r): r["source"] for r in records}
   srh = srh_path(pair, FLAGS.srh_file)
   gamma, seed = FLAGS.gamma, FLAGS.seed
   budgets = [int(b) for b in FLAGS.budgets]
@@ -334,12 +339,12 @@ def run_eval(pair):
              metric=metric, value=value, n=n, seed=seed, gamma=gamma, source=source)
     if extra:
       r.update(extra)
-    records.append(r)
-    done.add((pair.model_name, policy, budget, ctx, task, metric, seed))
+    records[:] = [x for x in records if key_of(x) != key_of(r)] + [r]
+    done[key_of(r)] = source
 
-  def missing(policy, budget, ctx, task, metrics):
-    return [m for m in metrics if (pair.model_name, policy, budget, ctx, task, m, seed)
-            not in done]
+  def missing(policy, budget, ctx, task, metrics, source):
+    return [m for m in metrics
+            if done.get((pair.model_name, policy, budget, ctx, task, m, seed)) != source]
 
   def flush():
     save_records(out_path, records)
@@ -371,7 +376,7 @@ def run_eval(pair):
       gen_metrics += [] if batch["refs"] else ["accuracy"]
       tf_metrics = ["ppl", "tf_agreement"] if batch["refs"] else []
       metrics = gen_metrics + tf_metrics
-      todo = [(p, b) for p, b in runs() if missing(p, b, ctx, task, metrics)]
+      todo = [(p, b) for p, b in runs() if missing(p, b, ctx, task, metrics, batch["source"])]
       if not todo:
         continue
       base = prefill_base(pair, batch["prompts"], max_len, progress=FLAGS.progress,
@@ -389,7 +394,7 @@ def run_eval(pair):
         policy = make_policy(policy_name, max(budget, 1) if policy_name != "full" else 512,
                              pair, srh)
         t1 = time.perf_counter()
-        need = missing(policy_name, budget, ctx, task, metrics)
+        need = missing(policy_name, budget, ctx, task, metrics, src)
         key = f"{pair.model_name}|{policy_name}|{budget}|{ctx}|{task}|{seed}"
         put = lambda metric, value, n: (metric in need and add(
             policy_name, budget, ctx, task, metric, value, n, src))

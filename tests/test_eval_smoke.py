@@ -48,6 +48,17 @@ def test_eval_longctx_tiny_writes_the_documented_schema(tmp_path):
   # resumable: a second run adds nothing
   run("scripts.eval_longctx", *common)
   assert len(json.loads((out / "longctx.json").read_text())) == len(records)
+  # other items (a third prompt): the continuation records are measured again and
+  # replaced, full first (the agreement reference covers all three prompts)
+  run("scripts.eval_longctx", *[a for a in common if not a.startswith(("--n_prompts", "--tasks"))],
+      "--n_prompts=3", "--tasks=")
+  again = json.loads((out / "longctx.json").read_text())
+  assert len(again) == len(records)
+  cont = lambda rs: {(r["policy"], r["metric"]): r for r in rs if r["task"].startswith("cont")}
+  old, new = cont(records), cont(again)
+  assert old.keys() == new.keys() and all(new[k]["source"] != old[k]["source"] for k in new)
+  assert new[("full", "agreement")]["n"] == 3 * 6 and new[("full", "agreement")]["value"] == 1.0
+  assert new[("dustin", "agreement")]["n"] == 3 * 6
 
 
 def test_eval_longctx_only_tau_schema(tmp_path):
