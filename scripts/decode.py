@@ -11,6 +11,7 @@ every sequence under `sequences`.
 """
 
 import json
+import os
 import sys
 import time
 
@@ -82,6 +83,8 @@ def main(argv):
   from dustin_jax.config import ConfigError
   from dustin_jax.generate import InputError
   c = _CONFIG.value
+  if c.xla_flags:  # XLA reads them when the backend starts: nothing has started it yet
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {c.xla_flags}".strip()
   try:
     r = run(c)
   except (ConfigError, InputError, ValueError) as e:

@@ -40,6 +40,15 @@ def test_bad_config_fails_with_one_clear_message(override, message):
   assert code != 0 and message in last and last.startswith("error:")
 
 
+def test_xla_flags_reach_xla(tmp_path):
+  dump = tmp_path / "dump"
+  code, last = _cli(f"--config.xla_flags=--xla_dump_to={dump}", "--config.method=vanilla",
+                    "--config.time_phases=False", "--config.max_new_tokens=2",
+                    "--config.progress=False")
+  assert code == 0, last
+  assert any(f.name.endswith(".txt") for f in dump.iterdir())  # XLA dumped the programs
+
+
 def test_missing_checkpoint(tmp_path):
   code, last = _cli("--config.random_weights=False", f"--config.target.checkpoint={tmp_path}/x",
                     f"--config.draft.checkpoint={tmp_path}/y", "--config.prompt=hi")
