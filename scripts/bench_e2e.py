@@ -195,8 +195,10 @@ def load_tau(path):
   return {(r["policy"], int(r["gamma"]), int(r.get("budget") or 0)): r for r in recs}, path
 
 
-def price(rec, taus, tau_path, vanilla_step_ms):
-  """tau (from the real pair), tokens/s and speedups of one record."""
+def price(rec, taus, tau_path, vanilla_step_ms, vanilla_gpu_ms=None):
+  """tau (from the real pair), tokens/s and speedups of one record; also on
+  GPU time (`gpu_speedup_vs_vanilla`): what a host that keeps up would see
+  when a step is host-bound."""
   method = rec["method"]
   if method.startswith("vanilla"):
     rec.update(tau=1.0, tau_source="vanilla")
@@ -213,17 +215,20 @@ def price(rec, taus, tau_path, vanilla_step_ms):
   rec["tokens_per_s"] = rec["batch"] * tau / (rec["step_ms"] / 1e3) if tau else None
   rec["speedup_vs_vanilla"] = tau * vanilla_step_ms / rec["step_ms"] if tau and vanilla_step_ms else None
   rec["step_speedup_vs_vanilla"] = vanilla_step_ms / rec["step_ms"] if vanilla_step_ms else None
+  gpu = rec.get("gpu_ms")
+  rec["gpu_speedup_vs_vanilla"] = (tau * vanilla_gpu_ms / gpu if tau and gpu and vanilla_gpu_ms
+                                   else None)
 
 
 def price_all(records, taus, tau_path):
   """`price` every timed record against the vanilla step of its own (model,
   target layers, batch, gamma, context)."""
   where = lambda r: (r["model"], r.get("target_layers"), r["batch"], r["gamma"], r["context"])
-  base = {where(r): r["step_ms"] for r in records
-          if r.get("method") == "vanilla" and r.get("step_ms")}
+  vanilla = {where(r): r for r in records if r.get("method") == "vanilla" and r.get("step_ms")}
   for r in records:
     if r.get("step_ms"):
-      price(r, taus, tau_path, base.get(where(r)))
+      v = vanilla.get(where(r), {})
+      price(r, taus, tau_path, v.get("step_ms"), v.get("gpu_ms"))
 
 
 def reprice(path):
@@ -403,8 +408,13 @@ def save_plot(records, path):
       pts = [p for p in pts if p[1]]
       label = f"{method} B{batch} γ{gamma}" + (f" {layers} layers" if layers else "")
       if pts:
-        ax.plot(*zip(*pts), marker="o", ls="--" if projected else "-",
-                label=label + (" (projected)" if projected else ""))
+        drawn = ax.plot(*zip(*pts), marker="o", ls="--" if projected else "-",
+                        label=label + (" (projected)" if projected else ""))
+        gpu = sorted((r["context"], r.get("gpu_speedup_vs_vanilla")) for r in ok
+                     if r["model"] == m and line(r) == key and r.get("gpu_speedup_vs_vanilla"))
+        if method == "dustin" and not projected and gpu:  # its step is host-bound
+          ax.plot(*zip(*gpu), marker="x", ls=":", color=drawn[0].get_color(),
+                  label=label + " on GPU time")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("context (tokens)")
     ax.set_ylabel("speedup vs vanilla (tokens/s; step time where tau unknown)")

@@ -32,3 +32,26 @@ def test_bench_e2e_smoke_schema(tmp_path):
   assert sd["tokens_per_s"] == pytest.approx(2 * 2.5 / (sd["step_ms"] / 1e3))
   dus = next(r for r in recs if r["method"] == "dustin")
   assert "estimate_isolated" in dus["phase_ms"]
+
+
+
+def test_reprice_on_step_and_on_gpu_time_against_its_own_vanilla(tmp_path):
+  import subprocess
+  import sys
+  tau = tmp_path / "tau.json"
+  tau.write_text(json.dumps([{"policy": "dustin", "gamma": 2, "budget": 32, "tau": 2.0}]))
+  at = dict(model="m", target_layers=2, batch=4, gamma=2, device="cpu")
+  recs = [dict(at, method="vanilla", context=64, step_ms=10.0, gpu_ms=8.0),
+          dict(at, method="vanilla", context=128, step_ms=20.0, gpu_ms=16.0),
+          dict(at, method="dustin", context=128, budget=32, step_ms=25.0, gpu_ms=8.0),
+          dict(at, method="dustin", context=64, budget=32, step_ms=5.0, gpu_ms=None)]
+  path = tmp_path / "e2e.json"
+  path.write_text(json.dumps(recs))
+  p = subprocess.run([sys.executable, "-m", "scripts.bench_e2e", f"--reprice={path}",
+                      f"--tau_json={tau}"], capture_output=True, text=True, timeout=300)
+  assert p.returncode == 0, p.stderr[-2000:]
+  host_bound, no_gpu = json.loads(path.read_text())[2:]
+  assert host_bound["speedup_vs_vanilla"] == pytest.approx(2.0 * 20.0 / 25.0)
+  assert host_bound["gpu_speedup_vs_vanilla"] == pytest.approx(2.0 * 16.0 / 8.0)
+  assert no_gpu["speedup_vs_vanilla"] == pytest.approx(2.0 * 10.0 / 5.0)
+  assert no_gpu["gpu_speedup_vs_vanilla"] is None
