@@ -410,9 +410,10 @@ def save_plot(records, path):
       if pts:
         drawn = ax.plot(*zip(*pts), marker="o", ls="--" if projected else "-",
                         label=label + (" (projected)" if projected else ""))
-        gpu = sorted((r["context"], r.get("gpu_speedup_vs_vanilla")) for r in ok
-                     if r["model"] == m and line(r) == key and r.get("gpu_speedup_vs_vanilla"))
-        if method == "dustin" and not projected and gpu:  # its step is host-bound
+        gpu = [] if method != "dustin" or projected else sorted(
+            (r["context"], r["gpu_speedup_vs_vanilla"]) for r in ok
+            if r["model"] == m and line(r) == key and r.get("gpu_speedup_vs_vanilla"))
+        if gpu:  # the dustin step can be host-bound: show it on GPU time too
           ax.plot(*zip(*gpu), marker="x", ls=":", color=drawn[0].get_color(),
                   label=label + " on GPU time")
     ax.set_xscale("log", base=2)

@@ -34,7 +34,6 @@ def test_bench_e2e_smoke_schema(tmp_path):
   assert "estimate_isolated" in dus["phase_ms"]
 
 
-
 def test_reprice_on_step_and_on_gpu_time_against_its_own_vanilla(tmp_path):
   import subprocess
   import sys

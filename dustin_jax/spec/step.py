@@ -75,8 +75,9 @@ class StepOutput:
 # ------------------------------------------------------------------ phases
 def draft_phase(graphdef, params, cache: KVCache, ds: DecodeState, signals, cfg: SpecConfig):
   """gamma draft tokens, their draft distributions [B, gamma, V_d] and the
-  policy's lookahead signal (its gamma queries scored in one call). The draft cache gets rows for prev, pending and
-  d_1 .. d_{gamma-1}; its committed length is not moved."""
+  policy's lookahead signal (its gamma queries scored in one call). The
+  draft cache gets rows for prev, pending and d_1 .. d_{gamma-1}; its
+  committed length is not moved."""
   model = nnx.merge(graphdef, params)
   policy = cfg.policy
   base = cache.lengths
