@@ -222,13 +222,20 @@ def price(rec, taus, tau_path, vanilla_step_ms, vanilla_gpu_ms=None):
 
 def price_all(records, taus, tau_path):
   """`price` every timed record against the vanilla step of its own (model,
-  target layers, batch, gamma, context)."""
+  target layers, batch, gamma, context), measured in the same run (one
+  process) where that run has one, else in the latest run that has one;
+  `vanilla_run` names the run used."""
   where = lambda r: (r["model"], r.get("target_layers"), r["batch"], r["gamma"], r["context"])
-  vanilla = {where(r): r for r in records if r.get("method") == "vanilla" and r.get("step_ms")}
+  vanilla = {}
+  for r in sorted((r for r in records if r.get("method") == "vanilla" and r.get("step_ms")),
+                  key=lambda r: r.get("run") or ""):
+    vanilla[(r.get("run"),) + where(r)] = vanilla[where(r)] = r  # later runs win the fallback
   for r in records:
     if r.get("step_ms"):
-      v = vanilla.get(where(r), {})
+      v = vanilla.get((r.get("run"),) + where(r)) or vanilla.get(where(r), {})
       price(r, taus, tau_path, v.get("step_ms"), v.get("gpu_ms"))
+      if r.get("run") or v.get("run"):
+        r["vanilla_run"] = v.get("run")
 
 
 def reprice(path):
@@ -396,6 +403,12 @@ def save_plot(records, path):
   ok = [r for r in records if r.get("step_ms") and not r.get("error")]
   if not ok:
     return
+  # one point per (method, model, batch, gamma, layers, context): the latest run's
+  latest = {}
+  for r in sorted(ok, key=lambda r: r.get("run") or ""):
+    latest[(r["method"], r["model"], r["batch"], r["gamma"], r.get("target_layers"),
+            bool(r.get("projected_from")), r["context"])] = r
+  ok = list(latest.values())
   models = sorted({r["model"] for r in ok})
   fig, axes = plt.subplots(1, len(models), figsize=(7 * len(models), 5), squeeze=False)
   for ax, m in zip(axes[0], models):

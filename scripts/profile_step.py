@@ -3,9 +3,11 @@ r"""Where the time of one decoding step goes: device time per kernel.
   python -m scripts.profile_step --out_dir=results/h200 --context=32768 --batch=16
 
 Runs the vanilla step and the dustin step (random weights of the Qwen2.5-7B /
-0.5B shapes, caches filled to `context`) under the JAX profiler and sums the
-GPU kernel time per kernel name: wall time per step, GPU busy time (the
-union of kernel intervals), and the top kernels. Writes profile_step.json.
+0.5B shapes, caches filled to `context`): the step time as the decode loops
+run it (no profiler), then under the JAX profiler the GPU kernel time per
+kernel name (GPU busy time = the union of kernel intervals; launches) and
+the host time per traced host event (where dispatch time goes when the step
+is host-bound). Writes profile_step.json.
 """
 
 from __future__ import annotations
@@ -27,17 +29,31 @@ flags.DEFINE_integer("batch", 16, "batch size")
 flags.DEFINE_integer("gamma", 4, "draft length")
 flags.DEFINE_integer("steps", 3, "profiled steps per method")
 flags.DEFINE_integer("top", 25, "kernels listed per method")
+flags.DEFINE_list("methods", ["vanilla", "dustin"], "steps profiled: vanilla and/or dustin")
+flags.DEFINE_integer("asrun_steps", 20, "steps queued back to back for step_ms (no profiler)")
+flags.DEFINE_string("out_name", "profile_step.json", "output file in out_dir")
+flags.DEFINE_string("xla_flags", "", "appended to XLA_FLAGS before jax starts")
 flags.DEFINE_bool("smoke", False, "tiny shapes (CPU)")
 FLAGS = flags.FLAGS
 
 
 def profile(fn, steps):
-  """`fn()` runs one step and returns its output; steps are queued back to
-  back (the host one step ahead, as the decode loops run) and waited for
-  at the end."""
+  """`fn()` runs one step and returns its output. Three measures:
+  `step_ms`, steps queued back to back with the host one step ahead (as the
+  decode loops run), without the profiler (whose per-launch tracing slows
+  the host); then, under the profiler, `steps` steps queued and waited for
+  at the end: GPU time per kernel name and host time per traced host event
+  (what the host does while dispatching)."""
   import jax
   jax.block_until_ready(fn())  # compile + warm up
   jax.block_until_ready(fn())
+  runs = []
+  for _ in range(3):
+    t0 = time.perf_counter()
+    for _ in range(FLAGS.asrun_steps):
+      o = fn()
+    jax.block_until_ready(o)
+    runs.append((time.perf_counter() - t0) / FLAGS.asrun_steps)
   d = tempfile.mkdtemp(prefix="prof_step_")
   with jax.profiler.trace(d, create_perfetto_trace=True):
     t0 = time.perf_counter()
@@ -45,7 +61,8 @@ def profile(fn, steps):
       o = fn()
     jax.block_until_ready(o)
     wall = (time.perf_counter() - t0) / steps
-  dev = device_events(load_trace_events(d))
+  ev = load_trace_events(d)
+  dev = device_events(ev)
   per = collections.Counter()
   count = collections.Counter()
   for e in dev:
@@ -54,12 +71,33 @@ def profile(fn, steps):
   busy = busy_time([(e["ts"], e["ts"] + e.get("dur", 0)) for e in dev]) / steps
   top = [dict(kernel=k[:120], us=round(v, 1), launches=round(count[k], 1))
          for k, v in per.most_common(FLAGS.top)]
-  return dict(wall_ms=1e3 * wall, gpu_busy_ms=busy / 1e3, kernel_sum_ms=sum(per.values()) / 1e3,
-              launches=round(sum(count.values())), top=top)
+  host = host_event_summary(ev, steps)
+  return dict(step_ms=1e3 * sorted(runs)[1], step_ms_runs=[1e3 * r for r in runs],
+              profiled_wall_ms=1e3 * wall, gpu_busy_ms=busy / 1e3,
+              kernel_sum_ms=sum(per.values()) / 1e3, launches=round(sum(count.values())),
+              top=top, host=host[:FLAGS.top])
+
+
+def host_event_summary(ev, steps):
+  """Host time per traced host event name per step (digits folded, so one
+  line per kind of event: e.g. all kernel-launch thunks together)."""
+  import re
+  dev = {id(e) for e in device_events(ev)}
+  gpu_pids = {e["pid"] for e in ev if id(e) in dev}
+  per, count = collections.Counter(), collections.Counter()
+  for e in ev:
+    if e.get("ph") != "X" or e.get("pid") in gpu_pids:
+      continue
+    name = re.sub(r"\d+", "#", e["name"])[:100]
+    per[name] += e.get("dur", 0) / steps
+    count[name] += 1 / steps
+  return [dict(event=k, us=round(v, 1), count=round(count[k], 1)) for k, v in per.most_common()]
 
 
 def main(argv):
   del argv
+  if FLAGS.xla_flags:  # read when the backend starts: nothing has started it yet
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {FLAGS.xla_flags}".strip()
   import jax
   import jax.numpy as jnp
   from configs import shapes
@@ -82,15 +120,18 @@ def main(argv):
   ds0 = DecodeState.init([[1, 2]] * b, 1 << 30, jax.random.key(0))
   fresh = lambda: jax.tree_util.tree_map(lambda x: x.copy(), ds0)
   out = {"device": jax.devices()[0].device_kind, "batch": b, "context": ctx,
-         "gamma": FLAGS.gamma, "jax_version": jax.__version__}
+         "gamma": FLAGS.gamma, "jax_version": jax.__version__,
+         "xla_flags": os.environ.get("XLA_FLAGS", "")}
 
   vstep = bind_vanilla_step(target)
   box = {"c": random_cache(tcfg, b, max_len, ctx, 11), "ds": ds0}
   def vrun():  # lengths grow by one per step from `ctx`
     box["c"], box["ds"], o, _ = vstep(box["c"], box["ds"])
     return o
-  out["vanilla"] = profile(vrun, FLAGS.steps)
-  print(json.dumps({"vanilla": {k: v for k, v in out["vanilla"].items() if k != "top"}}), flush=True)
+  if "vanilla" in FLAGS.methods:
+    out["vanilla"] = profile(vrun, FLAGS.steps)
+    print(json.dumps({"vanilla": {k: v for k, v in out["vanilla"].items()
+                                  if k not in ("top", "host")}}), flush=True)
 
   policy = policy_from_config(dict(policy="dustin", budget=512, n_sink=16, n_window=64, m=128),
                               tcfg, dcfg)
@@ -102,16 +143,21 @@ def main(argv):
   def srun():
     st["s"], o = sstep(st["s"])
     return o.tokens
-  out["dustin"] = profile(srun, FLAGS.steps)
-  print(json.dumps({"dustin": {k: v for k, v in out["dustin"].items() if k != "top"}}), flush=True)
+  if "dustin" in FLAGS.methods:
+    out["dustin"] = profile(srun, FLAGS.steps)
+    print(json.dumps({"dustin": {k: v for k, v in out["dustin"].items()
+                                 if k not in ("top", "host")}}), flush=True)
   os.makedirs(FLAGS.out_dir, exist_ok=True)
-  with open(os.path.join(FLAGS.out_dir, "profile_step.json"), "w") as f:
+  with open(os.path.join(FLAGS.out_dir, FLAGS.out_name), "w") as f:
     json.dump(out, f, indent=1)
-  for m in ("vanilla", "dustin"):
-    print(f"\n{m}: wall {out[m]['wall_ms']:.2f} ms, GPU busy {out[m]['gpu_busy_ms']:.2f} ms, "
-          f"{out[m]['launches']} launches")
+  for m in FLAGS.methods:
+    print(f"\n{m}: step {out[m]['step_ms']:.2f} ms (host one step ahead), GPU busy "
+          f"{out[m]['gpu_busy_ms']:.2f} ms, {out[m]['launches']} launches")
     for t in out[m]["top"][:15]:
       print(f"  {t['us']:9.1f} us  x{t['launches']:<6} {t['kernel'][:90]}")
+    print("  host:")
+    for t in out[m]["host"][:15]:
+      print(f"  {t['us']:9.1f} us  x{t['count']:<6} {t['event'][:90]}")
 
 
 if __name__ == "__main__":

@@ -54,3 +54,19 @@ def test_reprice_on_step_and_on_gpu_time_against_its_own_vanilla(tmp_path):
   assert host_bound["gpu_speedup_vs_vanilla"] == pytest.approx(2.0 * 16.0 / 8.0)
   assert no_gpu["speedup_vs_vanilla"] == pytest.approx(2.0 * 10.0 / 5.0)
   assert no_gpu["gpu_speedup_vs_vanilla"] is None
+
+  # runs (processes): a record is priced against its own run's vanilla; a run
+  # without one falls back to the latest run's, and says so
+  recs = [dict(at, method="vanilla", context=64, step_ms=10.0, run="s1"),
+          dict(at, method="vanilla", context=64, step_ms=12.0, run="s3"),
+          dict(at, method="vanilla", context=64, step_ms=11.0, run="s2"),
+          dict(at, method="dustin", context=64, budget=32, step_ms=5.0, run="s1"),
+          dict(at, method="dustin", context=64, budget=32, step_ms=5.0, run="s4")]
+  path.write_text(json.dumps(recs))
+  p = subprocess.run([sys.executable, "-m", "scripts.bench_e2e", f"--reprice={path}",
+                      f"--tau_json={tau}"], capture_output=True, text=True, timeout=300)
+  assert p.returncode == 0, p.stderr[-2000:]
+  own, fallback = json.loads(path.read_text())[3:]
+  assert own["speedup_vs_vanilla"] == pytest.approx(2.0 * 10.0 / 5.0) and own["vanilla_run"] == "s1"
+  assert fallback["speedup_vs_vanilla"] == pytest.approx(2.0 * 12.0 / 5.0)
+  assert fallback["vanilla_run"] == "s3"

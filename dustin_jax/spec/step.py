@@ -222,5 +222,6 @@ spec_step = jax.jit(spec_step_fn, static_argnames=("target_graphdef", "draft_gra
 
 def bind_spec_step(target: Model, draft: Model, cfg: SpecConfig) -> BoundStep:
   """`spec_step` for a decode loop: `step(st) -> (st, out)`, the state
-  donated, with cheap dispatch (see `BoundStep`)."""
-  return BoundStep(spec_step_fn, (target, draft), donate=(0,), cfg=cfg)
+  donated, with cheap dispatch and the output written in place (see
+  `BoundStep`)."""
+  return BoundStep(spec_step_fn, (target, draft), donate=(0,), outputs_from=1, cfg=cfg)
