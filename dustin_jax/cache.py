@@ -31,21 +31,13 @@ class KVCache:
   @classmethod
   def init(cls, cfg: ModelConfig, batch: int, max_len: int, dtype=None,
            mesh=None) -> "KVCache":
-    """An empty cache; under `mesh`, allocated directly in its shards
-    (batch over "data", KV heads over "model"), never whole on one device."""
+    """An empty cache; under `mesh`, allocated directly in its shards."""
     dtype = jnp.dtype(dtype or cfg.dtype)
     shape = (batch, cfg.num_kv_heads, max_len, cfg.head_dim)
     def make():
       zeros = lambda: tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers))
       return cls(k=zeros(), v=zeros(), lengths=jnp.zeros((batch,), jnp.int32))
-    if mesh is None:
-      return make()
-    from jax.sharding import NamedSharding
-    from dustin_jax.sharding import batch_spec, cache_spec
-    rows = NamedSharding(mesh, cache_spec(cfg.num_kv_heads, mesh))
-    lens = NamedSharding(mesh, batch_spec(1))
-    out = cls(k=(rows,) * cfg.num_layers, v=(rows,) * cfg.num_layers, lengths=lens)
-    return jax.jit(make, out_shardings=out)()
+    return _build(make, cfg, mesh)
 
   @property
   def batch(self) -> int:
@@ -82,9 +74,11 @@ def write_rows(cache_layer: jax.Array, new: jax.Array,
   return cache_layer.at[seq, :, rows].set(new.astype(cache_layer.dtype), mode="drop")
 
 
-def random_cache(cfg: ModelConfig, batch: int, max_len: int, context: int, seed: int) -> KVCache:
+def random_cache(cfg: ModelConfig, batch: int, max_len: int, context: int, seed: int,
+                 mesh=None) -> KVCache:
   """A cache of random rows, committed up to `context` (benchmarks: speed
-  does not depend on the values, and a 32k prompt need not be prefilled)."""
+  does not depend on the values, and a 32k prompt need not be prefilled);
+  made directly in its shards over `mesh`."""
   from dustin_jax.weights import _fill
   shape = (batch, cfg.num_kv_heads, max_len, cfg.head_dim)
   dt = jnp.dtype(cfg.dtype)
@@ -92,4 +86,18 @@ def random_cache(cfg: ModelConfig, batch: int, max_len: int, context: int, seed:
     rows = lambda s: tuple(_fill(shape, dt, "uniform", s + i) for i in range(cfg.num_layers))
     return KVCache(k=rows(seed), v=rows(seed + 7919),
                    lengths=jnp.full((batch,), context, jnp.int32))
-  return jax.jit(make)()
+  return _build(make, cfg, mesh)
+
+
+def _build(make, cfg: ModelConfig, mesh) -> KVCache:
+  """`make()` (a KVCache) computed by one program; under `mesh` directly in
+  its shards (batch over "data", KV heads over "model"), never whole on one
+  device."""
+  if mesh is None:
+    return jax.jit(make)()
+  from jax.sharding import NamedSharding
+  from dustin_jax.sharding import batch_spec, cache_spec
+  rows = NamedSharding(mesh, cache_spec(cfg.num_kv_heads, mesh))
+  out = KVCache(k=(rows,) * cfg.num_layers, v=(rows,) * cfg.num_layers,
+                lengths=NamedSharding(mesh, batch_spec(1)))
+  return jax.jit(make, out_shardings=out)()

@@ -106,11 +106,7 @@ def load_model(m, c, role: str, mesh=None) -> tuple[Model, str | None]:
     cfg, graphdef, state = weights.load_checkpoint(path, dtype=c.dtype, num_layers=layers,
                                                    mesh=mesh)
   if mesh is not None:
-    r = sharding.kv_replication(cfg, mesh.shape["model"])
-    if r > 1:
-      cfg, state = sharding.replicate_kv_heads(cfg, state, r)
-      graphdef = weights.abstract_model(cfg)[0]
-      state = sharding.shard_params(state, mesh)
+    cfg, graphdef, state = sharding.place_model(cfg, graphdef, state, mesh)
   return Model(cfg, graphdef, state), path
 
 

@@ -121,6 +121,17 @@ def replicate_kv_heads(cfg: ModelConfig, state, r: int):
   return new_cfg, abstract
 
 
+def place_model(cfg: ModelConfig, graphdef, state, mesh: Mesh):
+  """(cfg, graphdef, state) ready for `mesh`: KV heads replicated where the
+  model axis needs whole heads on every device, params sharded."""
+  r = kv_replication(cfg, mesh.shape["model"])
+  if r > 1:
+    from dustin_jax.weights import abstract_model
+    cfg, state = replicate_kv_heads(cfg, state, r)
+    graphdef = abstract_model(cfg)[0]
+  return cfg, graphdef, shard_params(state, mesh)
+
+
 def param_shardings(state, mesh: Mesh):
   """A pytree of NamedShardings matching an nnx State of the decoder."""
   from flax import nnx

@@ -48,6 +48,8 @@ flags.DEFINE_list("gammas", ["4"], "draft lengths")
 flags.DEFINE_list("methods", ["vanilla", "sd_full", "dustin", "sd_magicdec", "streaming",
                               "vanilla_xla", "quest"], "methods, in the order they run")
 flags.DEFINE_list("phase_batches", ["16", "2"], "batches whose steps are also timed per phase")
+flags.DEFINE_integer("mesh_model", 1, "tensor-parallel ways: both models and caches sharded by "
+                     "heads over this many devices (1: one device)")
 flags.DEFINE_integer("budget", 512, "KV budget of the sparse methods")
 flags.DEFINE_integer("n_sink", 16, "attention-sink rows always verified")
 flags.DEFINE_integer("n_window", 64, "recent rows always verified")
@@ -115,15 +117,35 @@ def _time_loop(step, carry, repeats):
               gpu_ms=gpu[0] / repeats if gpu else None), carry
 
 
-def bench_vanilla(target, cache, context, impl, repeats):
+def fresh_decode_state(batch, mesh):
+  """A decode state far from its max_new (the timed steps never finish),
+  sharded over `mesh` like the decode loops shard it."""
+  import jax
+  from dustin_jax.generate import DecodeState
+  from dustin_jax.sharding import shard_batch_tree
+  ds = DecodeState.init([[1, 2]] * batch, 1 << 30, jax.random.key(0))
+  return ds if mesh is None else shard_batch_tree(ds, mesh)
+
+
+def random_model(cfg, seed, mesh):
+  """Random weights of `cfg`'s shapes, made in their shards over `mesh`."""
+  from dustin_jax import sharding
+  from dustin_jax.generate import Model
+  from dustin_jax.weights import random_params
+  graphdef, state = random_params(cfg, seed=seed, mesh=mesh)
+  if mesh is not None:
+    cfg, graphdef, state = sharding.place_model(cfg, graphdef, state, mesh)
+  return Model(cfg, graphdef, state)
+
+
+def bench_vanilla(target, cache, context, impl, repeats, mesh=None):
   """Times of the vanilla step (see `_time_loop`) and the cache. The cache
   lengths start at `context` and grow by one per step."""
-  import jax
   import jax.numpy as jnp
-  from dustin_jax.generate import DecodeState, bind_vanilla_step
+  from dustin_jax.generate import bind_vanilla_step
   b = cache.batch
-  step = bind_vanilla_step(target, impl=impl)
-  ds0 = DecodeState.init([[1, 2]] * b, 1 << 30, jax.random.key(0))
+  step = bind_vanilla_step(target, impl=impl, mesh=mesh)
+  ds0 = fresh_decode_state(b, mesh)
   def run(carry):
     c, ds, out, n = step(*carry)
     return (c, ds), out
@@ -136,17 +158,18 @@ def bench_spec(target, draft, tcache, dcache, context, cfg, repeats, phases=True
   """(step times (see `_time_loop`), phase times or None, temp bytes of the
   compiled step, caches). Lengths start at `context` and grow as tokens are
   committed; the per-phase timing resets them to `context` every step."""
-  import jax
   import jax.numpy as jnp
-  from dustin_jax.generate import DecodeState
+  from dustin_jax.sharding import shard_batch_tree
   from dustin_jax.spec.phases import estimation_ms, time_phases_donated
   from dustin_jax.spec.step import SpecState, bind_spec_step
   b = tcache.batch
   full = jnp.full((b,), context, jnp.int32)
-  ds0 = DecodeState.init([[1, 2]] * b, 1 << 30, jax.random.key(0))
-  fresh = lambda: jax.tree_util.tree_map(lambda x: x.copy(), ds0)
+  fresh = lambda: fresh_decode_state(b, cfg.mesh)
+  signals = cfg.policy.init(b, tcache.max_len)
+  if cfg.mesh is not None:
+    full, signals = shard_batch_tree((full, signals), cfg.mesh)
   st = SpecState(tcache.with_lengths(full.copy()), dcache.with_lengths(full.copy()), fresh(),
-                 cfg.policy.init(b, tcache.max_len))
+                 signals)
   step = bind_spec_step(target, draft, cfg)
   mem = step.lower(st).compile().memory_analysis()
   temp = int(getattr(mem, "temp_size_in_bytes", -1)) if mem is not None else -1
@@ -263,10 +286,8 @@ def main(argv):
   from dustin_jax import sharding
   from dustin_jax.cache import random_cache
   from dustin_jax.config import ModelConfig
-  from dustin_jax.generate import Model
   from dustin_jax.selection.policies import policy_from_config
   from dustin_jax.spec.step import SpecConfig
-  from dustin_jax.weights import random_params
 
   t_start = time.perf_counter()
   os.makedirs(FLAGS.out_dir, exist_ok=True)
@@ -279,6 +300,7 @@ def main(argv):
   records = []
   device = jax.devices()[0].device_kind
   cap = sharding.device_capacity()
+  mesh = sharding.make_mesh(1, FLAGS.mesh_model) if FLAGS.mesh_model > 1 else None
 
   def save():
     with open(out_json, "w") as f:
@@ -291,23 +313,23 @@ def main(argv):
     layers = FLAGS.num_layers or None
     tcfg = ModelConfig.from_hf(dict(thf), dtype="bfloat16", num_layers=target_layers or layers)
     dcfg = ModelConfig.from_hf(dict(dhf), dtype="bfloat16", num_layers=layers)
-    target = Model(tcfg, *random_params(tcfg, seed=0))
-    draft = Model(dcfg, *random_params(dcfg, seed=1))
+    target, draft = random_model(tcfg, 0, mesh), random_model(dcfg, 1, mesh)
+    tcfg, dcfg = target.cfg, draft.cfg
     for batch in (int(b) for b in FLAGS.batches):
       for gamma in (int(g) for g in FLAGS.gammas):
         # room for the rows the timed steps commit: lengths grow from `context`
         # over _time_loop's steps (the phase timing resets them), + 4 spare steps
         committed_steps = 2 + 3 * FLAGS.repeats
         max_len = max_ctx + (committed_steps + 4) * (gamma + 1) + 8
-        plan = sharding.memory_plan(tcfg, dcfg, batch=batch, max_len=max_len, data=1, model=1,
-                                    gamma=gamma, capacity=cap)
+        plan = sharding.memory_plan(tcfg, dcfg, batch=batch, max_len=max_len, data=1,
+                                    model=FLAGS.mesh_model, gamma=gamma, capacity=cap)
         if not plan.fits():
           print(f"skip {name} batch {batch}: {plan.total / 2**30:.0f} GiB > capacity", flush=True)
           records.append(dict(method="*", model=name, batch=batch, gamma=gamma, skipped="memory",
                               need_gib=plan.total / 2**30))
           continue
-        tcache = random_cache(tcfg, batch, max_len, max_ctx, 11)
-        dcache = random_cache(dcfg, batch, max_len, max_ctx, 13)
+        tcache = random_cache(tcfg, batch, max_len, max_ctx, 11, mesh=mesh)
+        dcache = random_cache(dcfg, batch, max_len, max_ctx, 13, mesh=mesh)
         vanilla_ms = {}
         for method in FLAGS.methods:
           if time.perf_counter() - t_start > FLAGS.time_budget_s:
@@ -324,16 +346,18 @@ def main(argv):
               continue  # XLA reads the whole buffer: only fair where context fills it
             rec = dict(method=method, model=name, batch=batch, context=context, gamma=gamma,
                        budget=FLAGS.budget if method in ("dustin", "streaming", "quest") else None,
-                       target_layers=tcfg.num_layers, device=device, jax_version=jax.__version__,
+                       target_layers=tcfg.num_layers, device=device,
+                       devices=len(tcache.k[0].sharding.device_set),  # the cache's, as placed
+                       jax_version=jax.__version__,
                        xla_flags=os.environ.get("XLA_FLAGS", ""))
             try:
               if method.startswith("vanilla"):
                 impl = "reference" if method == "vanilla_xla" else "auto"
-                times, tcache = bench_vanilla(target, tcache, context, impl, FLAGS.repeats)
+                times, tcache = bench_vanilla(target, tcache, context, impl, FLAGS.repeats, mesh)
                 rec.update(times, phase_ms={"verify": times["gpu_ms"] or times["step_ms"]})
                 vanilla_ms[(method, context)] = times["step_ms"]
               else:
-                cfg = SpecConfig(gamma=gamma, policy=policy,
+                cfg = SpecConfig(gamma=gamma, policy=policy, mesh=mesh,
                                  draft_kv="full" if method == "sd_full" else "streaming")
                 times, phases, temp, tcache, dcache = bench_spec(
                     target, draft, tcache, dcache, context, cfg, FLAGS.repeats,

@@ -34,6 +34,29 @@ def test_bench_e2e_smoke_schema(tmp_path):
   assert "estimate_isolated" in dus["phase_ms"]
 
 
+def test_bench_e2e_shards_the_step_over_a_mesh(tmp_path):
+  """--mesh_model: models and caches sharded by heads (KV heads replicated
+  where the model axis needs it: 2 KV heads on 4 devices), on 4 CPU devices."""
+  import os
+  import subprocess
+  import sys
+  tau = tmp_path / "tau.json"
+  tau.write_text(json.dumps([{"policy": "dustin", "gamma": 2, "budget": 32, "tau": 2.0}]))
+  argv = [sys.executable, "-m", "scripts.bench_e2e", "--smoke", "--models=tiny",
+          f"--out_dir={tmp_path}", "--batches=2", "--gammas=2", "--repeats=1", "--budget=32",
+          "--n_sink=4", "--n_window=8", "--m=8", f"--tau_json={tau}", "--methods=vanilla,dustin",
+          "--phase_batches=none", "--mesh_model=4"]
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
+             JAX_PLATFORMS="cpu")
+  p = subprocess.run(argv, capture_output=True, text=True, timeout=600, env=env)
+  assert p.returncode == 0, p.stderr[-2000:]
+  recs = json.loads((tmp_path / "e2e.json").read_text())
+  assert {r["method"] for r in recs} == {"vanilla", "dustin"}
+  for r in recs:
+    assert not r.get("error"), r
+    assert r["devices"] == 4 and r["step_ms"] > 0
+
+
 def test_reprice_on_step_and_on_gpu_time_against_its_own_vanilla(tmp_path):
   import subprocess
   import sys
