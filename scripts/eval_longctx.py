@@ -476,10 +476,10 @@ def write_report(records, out_dir):
       rs = [r for r in records if r["model"] == model and r["context"] == ctx]
       tasks_here = sorted({r["task"] for r in rs})
       lines += [f"## {model}, context {ctx}", "",
-                "| policy | budget | tau | acceptance | agreement | tf agreement | ARR | ppl | "
-                "accuracy |"
+                "| policy | budget | seeds | tau | acceptance | agreement | tf agreement | ARR | "
+                "ppl | accuracy |"
                 + "".join(f" {t} |" for t in tasks_here if not t.startswith("continuation")),
-                "|---|---|---|---|---|---|---|---|---|"
+                "|---|---|---|---|---|---|---|---|---|---|"
                 + "---|" * len([t for t in tasks_here if not t.startswith("continuation")])]
       keys = sorted({(r["policy"], r["budget"]) for r in rs},
                     key=lambda k: (k[1], POLICY_ORDER.index(k[0]) if k[0] in POLICY_ORDER else 9))
@@ -488,7 +488,9 @@ def write_report(records, out_dir):
             [r for r in rs if r["policy"] == pol and r["budget"] == b and r["metric"] == metric
              and (task is None or r["task"] == task)], metric)
         fmt = lambda v, d=3: "" if v is None else f"{v:.{d}f}"
-        row = (f"| {pol} | {b} | {fmt(cell('tau'))} | {fmt(cell('acceptance'))} | "
+        seeds = ",".join(str(x) for x in sorted({r["seed"] for r in rs
+                                                  if r["policy"] == pol and r["budget"] == b}))
+        row = (f"| {pol} | {b} | {seeds} | {fmt(cell('tau'))} | {fmt(cell('acceptance'))} | "
                f"{fmt(cell('agreement'))} | {fmt(cell('tf_agreement'))} | {fmt(cell('arr'))} | "
                f"{fmt(cell('ppl'))} | "
                f"{fmt(cell('accuracy'))} |")
@@ -610,7 +612,10 @@ def extra_sections(out_dir) -> list[str]:
             "on the Python standard library (edit similarity). Calibration for the SRH search "
             "used other texts or offsets (web-bible, python-stdlib at seed 1234).",
             "* Few items per task (CPU time): one changed answer moves a task's accuracy "
-            "by 1/n; read the accuracy columns with that granularity in mind.", ""]
+            "by 1/n; read the accuracy columns with that granularity in mind. `seeds`: the "
+            "item sets a row averages (each seed draws its own prompts and task items); rows "
+            "with more seeds average more items, so compare budgets on the rows of one seed.",
+            ""]
   return lines
 
 
