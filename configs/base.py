@@ -67,9 +67,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.output_json = ""
   c.progress = True
   # appended to XLA_FLAGS before JAX starts its backend (scripts.decode only);
-  # on the H200 XLA command buffers help the launch-bound speculative step:
-  # "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN
-  #  --xla_gpu_graph_min_graph_size=1" (results/h200/README.md)
+  # the flags measured on the H200 and what they did: results/h200/README.md
   c.xla_flags = ""
   return c
 
