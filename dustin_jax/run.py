@@ -94,8 +94,11 @@ def model_config(m, c) -> ModelConfig:
 
 def load_model(m, c, role: str, mesh=None) -> tuple[Model, str | None]:
   """(Model, path the tokenizer comes from or None), sharded over `mesh`
-  with KV heads replicated where the model axis needs it."""
+  with KV heads replicated where the model axis needs it (the draft: whole
+  on every device, `sharding.draft_mesh`)."""
   from dustin_jax import sharding, weights
+  if role == "draft":
+    mesh = sharding.draft_mesh(mesh)
   layers = m.num_layers or None
   path = None
   if c.random_weights:

@@ -75,6 +75,19 @@ def make_mesh(data: int = 1, model: int = 0, devices: Sequence | None = None) ->
   return Mesh(np.array(devices).reshape(data, model), ("data", "model"))
 
 
+def draft_mesh(mesh: Mesh | None) -> Mesh | None:
+  """The mesh the draft runs on: the same devices, with a model axis of 1
+  and the model devices as "replica". A draft is small, so it runs whole on
+  every device (its weights and cache replicated; batch still over "data"):
+  split like the target, each of its layers and draft passes would add
+  collectives (all-reduces after the attention and the MLP, all-gathers
+  where its heads do not divide) for a few MB of weights."""
+  if mesh is None:
+    return None
+  d, m = mesh.shape["data"], mesh.shape["model"]
+  return Mesh(mesh.devices.reshape(d, 1, m), ("data", "model", "replica"))
+
+
 def check_batch(mesh: Mesh, batch: int) -> None:
   d = mesh.shape["data"]
   if batch % d:
@@ -225,10 +238,11 @@ def memory_plan(target: ModelConfig, draft: ModelConfig | None, *, batch: int, m
 
   Weights: tensor-parallel matrices split over `model`, norms replicated;
   caches: split over `data` (batch) and `model` (KV heads, after replication);
+  the draft whole on every device (`draft_mesh`);
   workspace: the verify pass's f32 logits, the activations of the widest
   layer and the selection signals -- a lower bound that excludes XLA's own
   temporary buffers (leave headroom)."""
-  def weights(cfg: ModelConfig) -> int:
+  def weights(cfg: ModelConfig, model: int) -> int:
     el = jnp.dtype(cfg.dtype).itemsize
     d, hd, f, v = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size, cfg.vocab_size
     kv = cfg.num_kv_heads * kv_replication(cfg, model)
@@ -240,7 +254,7 @@ def memory_plan(target: ModelConfig, draft: ModelConfig | None, *, batch: int, m
     emb = v * d // _shards(v, model) * (1 if cfg.tie_embeddings else 2)
     return (cfg.num_layers * per_layer + emb + d) * el
 
-  def cache(cfg: ModelConfig) -> int:
+  def cache(cfg: ModelConfig, model: int) -> int:
     el = jnp.dtype(cfg.dtype).itemsize
     kv = cfg.num_kv_heads * kv_replication(cfg, model)
     return (2 * cfg.num_layers * (batch // data) * (kv // _shards(kv, model)) * max_len
@@ -253,8 +267,8 @@ def memory_plan(target: ModelConfig, draft: ModelConfig | None, *, batch: int, m
   acts = 4 * b * t * max(max(c.intermediate_size, c.num_heads * c.head_dim) for c in models) * 4
   signals = 2 * 4 * b * max_len
   return MemoryPlan(devices=data * model, data=data, model=model,
-                    weights=sum(weights(c) for c in models),
-                    target_cache=cache(target), draft_cache=cache(draft) if draft else 0,
+                    weights=weights(target, model) + (weights(draft, 1) if draft else 0),
+                    target_cache=cache(target, model), draft_cache=cache(draft, 1) if draft else 0,
                     workspace=logits + acts + signals, kv_replication=kv_replication(target, model),
                     capacity=capacity)
 

@@ -313,7 +313,7 @@ def main(argv):
     layers = FLAGS.num_layers or None
     tcfg = ModelConfig.from_hf(dict(thf), dtype="bfloat16", num_layers=target_layers or layers)
     dcfg = ModelConfig.from_hf(dict(dhf), dtype="bfloat16", num_layers=layers)
-    target, draft = random_model(tcfg, 0, mesh), random_model(dcfg, 1, mesh)
+    target, draft = random_model(tcfg, 0, mesh), random_model(dcfg, 1, sharding.draft_mesh(mesh))
     tcfg, dcfg = target.cfg, draft.cfg
     for batch in (int(b) for b in FLAGS.batches):
       for gamma in (int(g) for g in FLAGS.gammas):
@@ -328,8 +328,10 @@ def main(argv):
           records.append(dict(method="*", model=name, batch=batch, gamma=gamma, skipped="memory",
                               need_gib=plan.total / 2**30))
           continue
-        tcache = random_cache(tcfg, batch, max_len, max_ctx, 11, mesh=mesh)
-        dcache = random_cache(dcfg, batch, max_len, max_ctx, 13, mesh=mesh)
+        caches = lambda: (random_cache(tcfg, batch, max_len, max_ctx, 11, mesh=mesh),
+                          random_cache(dcfg, batch, max_len, max_ctx, 13,
+                                       mesh=sharding.draft_mesh(mesh)))
+        tcache, dcache = caches()
         vanilla_ms = {}
         for method in FLAGS.methods:
           if time.perf_counter() - t_start > FLAGS.time_budget_s:
@@ -369,8 +371,7 @@ def main(argv):
             except Exception as e:  # noqa: BLE001 -- record and go on: one bad config
               rec["error"] = f"{type(e).__name__}: {e}"[:500]
               # a failed call may have consumed the donated caches: make new ones
-              tcache = random_cache(tcfg, batch, max_len, max_ctx, 11)
-              dcache = random_cache(dcfg, batch, max_len, max_ctx, 13)
+              tcache, dcache = caches()
             records.append(rec)
             print(json.dumps({k: rec.get(k) for k in ("method", "model", "batch", "context",
                               "gamma", "step_ms", "phase_ms", "speedup_vs_vanilla", "error")}),

@@ -28,11 +28,7 @@ def models(tmp_path_factory):
 
 
 def shard(model: Model, mesh) -> Model:
-  cfg, state = sharding.replicate_kv_heads(model.cfg, model.state,
-                                           sharding.kv_replication(model.cfg, mesh.shape["model"]))
-  from dustin_jax.weights import abstract_model
-  graphdef, _ = abstract_model(cfg)
-  return Model(cfg, graphdef, sharding.shard_params(state, mesh))
+  return Model(*sharding.place_model(model.cfg, model.graphdef, model.state, mesh))
 
 
 @pytest.mark.parametrize("policy", ["full", "dustin"])
@@ -47,7 +43,7 @@ def test_sharded_speculative_equals_unsharded(models, data, model, policy, rng):
   ref, _ = generate_speculative(target, draft, prompts, max_new_tokens=10, max_len=64,
                                 cfg=SpecConfig(gamma=3, policy=pol))
   mesh = sharding.make_mesh(data, model)
-  t, d = shard(target, mesh), shard(draft, mesh)
+  t, d = shard(target, mesh), shard(draft, sharding.draft_mesh(mesh))
   q = t.state["layers"][0]["self_attn"]["q_proj"]["kernel"][...]
   assert q.sharding.spec == jax.sharding.PartitionSpec(None, "model")
   # the policy of the (KV-replicated) sharded models: same heads, same budget
@@ -55,6 +51,40 @@ def test_sharded_speculative_equals_unsharded(models, data, model, policy, rng):
   ours, _ = generate_speculative(t, d, prompts, max_new_tokens=10, max_len=64,
                                  cfg=SpecConfig(gamma=3, policy=pol, mesh=mesh))
   assert ours == ref
+
+
+def test_the_draft_runs_whole_on_every_device(models, rng, monkeypatch):
+  """sharding.draft_mesh: the draft's weights and cache are replicated over
+  the model axis, and its layers add no collectives to the compiled step;
+  split like the target, every layer of every draft pass adds some. No
+  cache write (a scatter) crosses devices either way."""
+  import re
+  from dustin_jax.spec import engine, step as step_mod
+  from dustin_jax.spec.step import bind_spec_step
+  target, draft = models
+  prompts = [rng.integers(0, 96, size=n).tolist() for n in (9, 14)]
+  mesh = sharding.make_mesh(2, 4)
+  cfg = SpecConfig(gamma=3, mesh=mesh)
+
+  def collectives(place_draft_on):
+    t, d = shard(target, mesh), shard(draft, place_draft_on)
+    st = engine.init_state(t, d, prompts, max_new_tokens=4, max_len=32, cfg=cfg)
+    hlo = bind_spec_step(t, d, cfg).lower(st).compile().as_text()
+    ops = [line for line in hlo.splitlines() if re.search(
+        r"= \S+ (?:all-reduce|all-gather|collective-permute|all-to-all)(?:-start)?\(", line)]
+    # the cache writes run per device (decoder.attention): no scatter moves data
+    assert not [op for op in ops if "scatter" in op], "a cache write crosses devices"
+    return len(ops), d, st
+
+  n_whole, d, st = collectives(sharding.draft_mesh(mesh))
+  assert all(x.sharding.is_fully_replicated for x in jax.tree_util.tree_leaves(d.state))
+  heads_per_device = lambda c: c.k[0].sharding.shard_shape(c.k[0].shape)[1]
+  assert heads_per_device(st.draft) == draft.cfg.num_kv_heads  # whole (batch over data)
+  assert heads_per_device(st.target) == 1                       # 2 KV heads x2 over 4 devices
+  monkeypatch.setattr(step_mod, "draft_mesh", lambda m: m)  # the draft split like the target
+  monkeypatch.setattr(engine, "draft_mesh", lambda m: m)
+  n_split, _, _ = collectives(mesh)
+  assert n_split >= n_whole + 2 * draft.cfg.num_layers * cfg.gamma, (n_split, n_whole)
 
 
 def test_sharded_vanilla_equals_unsharded(models, rng):
@@ -91,15 +121,16 @@ def test_memory_plan_72b_hand_computed():
   # MLP 3*8192*29568 split 4 ways; biases 8192 + 2*1024 split; 2 norms of 8192 replicated
   layer = (2 * 8192 * 8192 + 2 * 8192 * 1024 + 3 * 8192 * 29568 + 8192 + 2048) // 4 + 2 * 8192
   target_w = (80 * layer + 2 * 152064 * 8192 // 4 + 8192) * 2
-  # Qwen2.5-0.5B (14 q heads, 2 KV heads, tied): its columns split 4 ways too
-  dlayer = (2 * 896 * 896 + 2 * 896 * 128 + 3 * 896 * 4864 + 896 + 256) // 4 + 2 * 896
-  draft_w = (24 * dlayer + 151936 * 896 // 4 + 896) * 2
+  # Qwen2.5-0.5B (14 q heads, 2 KV heads, tied): whole on every device (draft_mesh)
+  dlayer = 2 * 896 * 896 + 2 * 896 * 128 + 3 * 896 * 4864 + 896 + 256 + 2 * 896
+  draft_w = (24 * dlayer + 151936 * 896 + 896) * 2
   plan4 = sharding.memory_plan(t, d, batch=16, max_len=32768, data=1, model=4)
   assert plan4.weights == target_w + draft_w
   # 32k x 16: 2 (k, v) * 80 layers * 16 * (8 KV heads / 4) * 32768 * 128 * 2 bytes = 40 GiB
   assert plan4.target_cache == 40 * gib
-  # the draft's 2 KV heads cannot split 4 ways (14 q heads): its cache is whole on each device
+  # the draft's cache is whole on each device: 2 * 24 layers * 16 * 2 KV heads * 32768 * 64 * 2
   assert plan4.draft_cache == 2 * 24 * 16 * 2 * 32768 * 64 * 2 == 6 * gib
+  assert sharding.memory_plan(t, d, batch=16, max_len=32768, data=1, model=2).draft_cache == 6 * gib
   plan8 = sharding.memory_plan(t, d, batch=16, max_len=32768, data=1, model=8)
   assert plan8.target_cache == 20 * gib
   assert plan8.total < plan4.total < 141e9

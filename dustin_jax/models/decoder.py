@@ -13,6 +13,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from dustin_jax.cache import KVCache, write_rows
 from dustin_jax.config import ModelConfig, rope_inv_freq
@@ -20,17 +21,21 @@ from kernels.decode_attention.ops import decode_attention
 from kernels.sparse_verify.ops import sparse_verify
 
 
-def attention(q, k_cache, v_cache, lengths, kv_indices, impl, mesh):
-  """Full-cache or index-gathered attention. Under a mesh, the kernel runs
-  per device on its own batch rows and KV heads (`shard_map`), so no KV row
-  ever leaves its device."""
-  def local(q, k, v, lengths, *idx):
+def attention(q, k, v, k_cache, v_cache, lengths, kv_indices, impl, mesh):
+  """Write the block's rows `k, v [B, T, Hkv, D]` into the caches at
+  `lengths`, then full-cache or index-gathered attention of `q`. Returns
+  (out, k_cache, v_cache). Under a mesh both run per device on its own
+  batch rows and KV heads (`shard_map`): no KV row leaves its device, and
+  the cache write is a local scatter (split by XLA's partitioner, the
+  scatter gathered its updates and indices across devices at every layer)."""
+  def local(q, k, v, k_cache, v_cache, lengths, *idx):
+    k_cache, v_cache = write_rows(k_cache, k, lengths), write_rows(v_cache, v, lengths)
     if idx:
-      return sparse_verify(q, k, v, lengths, idx[0], impl=impl)
-    return decode_attention(q, k, v, lengths, impl=impl)
+      return sparse_verify(q, k_cache, v_cache, lengths, idx[0], impl=impl), k_cache, v_cache
+    return decode_attention(q, k_cache, v_cache, lengths, impl=impl), k_cache, v_cache
   if impl == "auto" and q.shape[1] > 16:
     impl = "reference"  # the Pallas kernels serve short verify blocks; prefill chunks use XLA
-  args = (q, k_cache, v_cache, lengths) + (() if kv_indices is None else (kv_indices,))
+  args = (q, k, v, k_cache, v_cache, lengths) + (() if kv_indices is None else (kv_indices,))
   if mesh is None:
     return local(*args)
   from dustin_jax import sharding
@@ -38,9 +43,11 @@ def attention(q, k_cache, v_cache, lengths, kv_indices, impl, mesh):
   kv_spec = sharding.cache_spec(k_cache.shape[1], mesh)
   if (q_spec[2] is None) != (kv_spec[1] is None):  # heads must stay aligned with their KV head
     q_spec, kv_spec = sharding.heads_spec(1, mesh), sharding.cache_spec(1, mesh)
-  specs = (q_spec, kv_spec, kv_spec, sharding.batch_spec(1), sharding.batch_spec(2))
-  return jax.shard_map(local, mesh=mesh, in_specs=specs[:len(args)], out_specs=q_spec,
-                       check_vma=False)(*args)
+  rows_spec = P(kv_spec[0], None, kv_spec[1], None)  # [B, T, Hkv, D] like the cache
+  specs = (q_spec, rows_spec, rows_spec, kv_spec, kv_spec, sharding.batch_spec(1),
+           sharding.batch_spec(2))
+  return jax.shard_map(local, mesh=mesh, in_specs=specs[:len(args)],
+                       out_specs=(q_spec, kv_spec, kv_spec), check_vma=False)(*args)
 
 _INIT = nnx.initializers.normal(0.02)
 
@@ -103,9 +110,7 @@ class Attention(nnx.Module):
     k = self.k_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
     v = self.v_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    k_cache = write_rows(k_cache, k, lengths)
-    v_cache = write_rows(v_cache, v, lengths)
-    out = attention(q, k_cache, v_cache, lengths, kv_indices, impl, mesh)
+    out, k_cache, v_cache = attention(q, k, v, k_cache, v_cache, lengths, kv_indices, impl, mesh)
     out = self.o_proj(out.reshape(b, t, self.num_heads * self.head_dim))
     return out, k_cache, v_cache, q
 

@@ -13,6 +13,7 @@ from dustin_jax.cache import KVCache
 from dustin_jax.generate import (DecodeState, DecodeStats, InputError, Model, 
                                  check_lengths, collect, prefill)
 from dustin_jax.progress import progress as progress_bar
+from dustin_jax.sharding import draft_mesh
 from dustin_jax.spec.step import SpecConfig, SpecState, bind_spec_step
 
 
@@ -32,10 +33,10 @@ def init_state(target: Model, draft: Model, prompts, *, max_new_tokens, max_len,
   if min(len(p) for p in prompts) < 2:
     raise InputError("speculative decoding needs prompts of at least 2 tokens")
   check_lengths([len(p) for p in prompts], max_new_tokens, max_len, block=cfg.gamma + 1)
-  b, mesh = len(prompts), cfg.mesh
-  kw = dict(chunk=chunk, impl=cfg.impl, mesh=mesh, progress=progress)
-  tc = prefill(target, KVCache.init(target.cfg, b, max_len, mesh=mesh), prompts, **kw)
-  dc = prefill(draft, KVCache.init(draft.cfg, b, max_len, mesh=mesh), prompts, **kw)
+  b, mesh, dmesh = len(prompts), cfg.mesh, draft_mesh(cfg.mesh)
+  kw = dict(chunk=chunk, impl=cfg.impl, progress=progress)
+  tc = prefill(target, KVCache.init(target.cfg, b, max_len, mesh=mesh), prompts, mesh=mesh, **kw)
+  dc = prefill(draft, KVCache.init(draft.cfg, b, max_len, mesh=dmesh), prompts, mesh=dmesh, **kw)
   rest = (DecodeState.init(prompts, max_new_tokens, jax.random.key(seed)),
           cfg.policy.init(b, max_len))
   if mesh is not None:

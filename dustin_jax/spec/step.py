@@ -26,6 +26,7 @@ from dustin_jax.cache import KVCache
 from dustin_jax.generate import BoundStep, DecodeState, Model, emit
 from dustin_jax.sampling import SamplingConfig, pad_vocab, probs, sample
 from dustin_jax.selection.base import FullCache, sink_window_indices
+from dustin_jax.sharding import draft_mesh
 
 DRAFT_KV_MODES = ("full", "streaming")
 
@@ -42,6 +43,7 @@ class SpecConfig:
   draft_window: int = 496
   impl: str = "auto"              # attention kernels: auto | reference | gpu | tpu
   mesh: Any = None                # a jax.sharding.Mesh: attention runs per device
+                                  # (the draft whole on each: sharding.draft_mesh)
 
   def __post_init__(self):
     if self.gamma < 1:
@@ -88,7 +90,7 @@ def draft_phase(graphdef, params, cache: KVCache, ds: DecodeState, signals, cfg:
           if cfg.draft_kv == "streaming" else None)
     hidden, c, taps = model(tokens, c.with_lengths(at), kv_indices=kv,
                             tap_layers=policy.draft_tap_layers, impl=cfg.impl,
-                            mesh=cfg.mesh)
+                            mesh=draft_mesh(cfg.mesh))
     return model.logits(hidden[:, -1]), taps, c
 
   def pick(logits, key):
