@@ -19,6 +19,13 @@ SUPPORTED_ROPE_TYPES = ("default", "llama3", "yarn")
 DTYPES = ("float32", "bfloat16")
 
 
+def append_xla_flags(extra: str) -> None:
+  """Append `extra` to XLA_FLAGS. XLA reads them once, when JAX starts its
+  backend: call this before anything touches a device."""
+  if extra:
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {extra}".strip()
+
+
 class ConfigError(ValueError):
   """A model or run configuration that dustin_jax cannot serve."""
 

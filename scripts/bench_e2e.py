@@ -276,8 +276,8 @@ def main(argv):
   del argv
   if FLAGS.reprice:
     return reprice(FLAGS.reprice)
-  if FLAGS.xla_flags:
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + FLAGS.xla_flags).strip()
+  from dustin_jax.config import append_xla_flags
+  append_xla_flags(FLAGS.xla_flags)
   import jax
   # the step's memory statistics come from an AOT compile; with this cache
   # the jitted call that follows loads that executable instead of compiling again

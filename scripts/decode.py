@@ -11,7 +11,6 @@ every sequence under `sequences`.
 """
 
 import json
-import os
 import sys
 import time
 
@@ -80,11 +79,10 @@ def print_result(r) -> None:
 
 def main(argv):
   del argv
-  from dustin_jax.config import ConfigError
+  from dustin_jax.config import ConfigError, append_xla_flags
   from dustin_jax.generate import InputError
   c = _CONFIG.value
-  if c.xla_flags:  # XLA reads them when the backend starts: nothing has started it yet
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {c.xla_flags}".strip()
+  append_xla_flags(c.xla_flags)  # nothing has started the backend yet
   try:
     r = run(c)
   except (ConfigError, InputError, ValueError) as e:

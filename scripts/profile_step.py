@@ -71,19 +71,19 @@ def profile(fn, steps):
   busy = busy_time([(e["ts"], e["ts"] + e.get("dur", 0)) for e in dev]) / steps
   top = [dict(kernel=k[:120], us=round(v, 1), launches=round(count[k], 1))
          for k, v in per.most_common(FLAGS.top)]
-  host = host_event_summary(ev, steps)
+  host = host_event_summary(ev, dev, steps)
   return dict(step_ms=1e3 * sorted(runs)[1], step_ms_runs=[1e3 * r for r in runs],
               profiled_wall_ms=1e3 * wall, gpu_busy_ms=busy / 1e3,
               kernel_sum_ms=sum(per.values()) / 1e3, launches=round(sum(count.values())),
               top=top, host=host[:FLAGS.top])
 
 
-def host_event_summary(ev, steps):
+def host_event_summary(ev, dev, steps):
   """Host time per traced host event name per step (digits folded, so one
-  line per kind of event: e.g. all kernel-launch thunks together)."""
+  line per kind of event: e.g. all kernel-launch thunks together); `dev`:
+  the GPU kernel events, whose processes are not the host's."""
   import re
-  dev = {id(e) for e in device_events(ev)}
-  gpu_pids = {e["pid"] for e in ev if id(e) in dev}
+  gpu_pids = {e["pid"] for e in dev}
   per, count = collections.Counter(), collections.Counter()
   for e in ev:
     if e.get("ph") != "X" or e.get("pid") in gpu_pids:
@@ -96,8 +96,8 @@ def host_event_summary(ev, steps):
 
 def main(argv):
   del argv
-  if FLAGS.xla_flags:  # read when the backend starts: nothing has started it yet
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {FLAGS.xla_flags}".strip()
+  from dustin_jax.config import append_xla_flags
+  append_xla_flags(FLAGS.xla_flags)
   import jax
   import jax.numpy as jnp
   from configs import shapes

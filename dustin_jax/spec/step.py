@@ -83,6 +83,7 @@ def draft_phase(graphdef, params, cache: KVCache, ds: DecodeState, signals, cfg:
   model = nnx.merge(graphdef, params)
   policy = cfg.policy
   base = cache.lengths
+  mesh = draft_mesh(cfg.mesh)
 
   def forward(c, tokens, at):
     """Run `tokens[B, n]`, the first at positions `at[b]`: logits of the last."""
@@ -90,7 +91,7 @@ def draft_phase(graphdef, params, cache: KVCache, ds: DecodeState, signals, cfg:
           if cfg.draft_kv == "streaming" else None)
     hidden, c, taps = model(tokens, c.with_lengths(at), kv_indices=kv,
                             tap_layers=policy.draft_tap_layers, impl=cfg.impl,
-                            mesh=draft_mesh(cfg.mesh))
+                            mesh=mesh)
     return model.logits(hidden[:, -1]), taps, c
 
   def pick(logits, key):
