@@ -279,11 +279,14 @@ def check_fits(plan: MemoryPlan) -> None:
   raise ConfigError(
       "this configuration does not fit: " + f"{plan.total / 2**30:.1f} GiB per device needed, "
       f"{plan.capacity / 2**30:.1f} GiB available.\n{plan.table()}\n"
-      "fix: more devices (mesh.model / mesh.data), a smaller batch_size, or a shorter max_len")
+      "fix: more devices (mesh.model / mesh.data), a smaller batch_size, or a shorter max_len; "
+      "XLA's allocator takes 75% of the device by default, XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 "
+      "gives it more")
 
 
 def device_capacity() -> int | None:
-  """Bytes an accelerator can hold (None on CPU or when unknown)."""
+  """Bytes XLA's allocator may use on one accelerator (None on CPU or when
+  unknown): XLA_PYTHON_CLIENT_MEM_FRACTION of the device, 75% by default."""
   d = jax.devices()[0]
   if d.platform == "cpu":
     return None

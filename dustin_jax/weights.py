@@ -52,12 +52,19 @@ def random_params(cfg: ModelConfig, seed: int = 0, mesh=None):
   leaves = []
   for i, (path, leaf) in enumerate(_leaves_with_paths(pure)):
     kind = "ones" if path[-1] == "weight" else "zeros" if path[-1] == "bias" else "uniform"
-    fill = functools.partial(_fill, tuple(leaf.shape), jnp.dtype(leaf.dtype), kind,
-                             (seed * 1000003 + i) & 0xFFFFFFFF)
-    leaves.append(jax.jit(fill, out_shardings=shardings.get(path))())
+    fill = _filler(tuple(leaf.shape), jnp.dtype(leaf.dtype), kind, shardings.get(path))
+    leaves.append(fill(jnp.uint32((seed * 1000003 + i) & 0xFFFFFFFF)))
   pure = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(pure), leaves)
   nnx.replace_by_pure_dict(abstract, pure)
   return graphdef, abstract
+
+
+@functools.lru_cache(maxsize=None)
+def _filler(shape, dtype, kind, sharding):
+  # one program per (shape, dtype, kind, sharding), the salt traced: a 72B
+  # model has ~800 parameters but ~10 distinct shapes (a static salt
+  # compiled each parameter apart, ~2 minutes)
+  return jax.jit(functools.partial(_fill, shape, dtype, kind), out_shardings=sharding)
 
 
 def _fill(shape, dtype, kind, salt):
@@ -68,7 +75,7 @@ def _fill(shape, dtype, kind, salt):
   for ax in reversed(range(len(shape))):
     idx = idx + jax.lax.broadcasted_iota(jnp.uint32, shape, ax) * jnp.uint32(stride & 0xFFFFFFFF)
     stride *= shape[ax]
-  h = idx ^ jnp.uint32(salt)
+  h = idx ^ salt
   for mul, shift in ((0x9E3779B1, 16), (0x85EBCA77, 13), (0xC2B2AE3D, 16)):
     h = (h * jnp.uint32(mul)) ^ (h >> shift)
   u = h.astype(jnp.float32) * (1.0 / 2**32)  # [0, 1)

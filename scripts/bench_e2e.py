@@ -324,7 +324,8 @@ def main(argv):
         plan = sharding.memory_plan(tcfg, dcfg, batch=batch, max_len=max_len, data=1,
                                     model=FLAGS.mesh_model, gamma=gamma, capacity=cap)
         if not plan.fits():
-          print(f"skip {name} batch {batch}: {plan.total / 2**30:.0f} GiB > capacity", flush=True)
+          print(f"skip {name} batch {batch}: {plan.total / 2**30:.0f} GiB > {plan.capacity / 2**30:.0f} "
+                "GiB (XLA_PYTHON_CLIENT_MEM_FRACTION raises the allocator's share)", flush=True)
           records.append(dict(method="*", model=name, batch=batch, gamma=gamma, skipped="memory",
                               need_gib=plan.total / 2**30))
           continue

@@ -1,6 +1,7 @@
 """scripts.decode: a run on tiny random models, and one clear error per bad config."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -63,3 +64,24 @@ def test_vanilla_method_ignores_the_policy():
   r = run(c)
   assert r["stats"]["tau"] == 1.0 and all(len(s["tokens"]) == c.max_new_tokens
                                           for s in r["sequences"])
+
+
+@pytest.mark.parametrize("jaxlib, preset, extra, want", [
+    ((0, 11, 2), "", "--a=1", "--xla_gpu_command_buffer_update_mode=SKIP_TEMP --a=1"),
+    ((0, 12, 0), "--b=2", "", "--xla_gpu_command_buffer_update_mode=SKIP_TEMP --b=2"),
+    ((0, 10, 2), "--b=2", "--a=1", "--b=2 --a=1"),  # an older jaxlib rejects the flag
+    ((0, 11, 2), "", "--xla_gpu_command_buffer_update_mode=X", "--xla_gpu_command_buffer_update_mode=X"),
+])
+def test_append_xla_flags_adds_the_stable_graph_mode_where_jaxlib_knows_it(
+    monkeypatch, jaxlib, preset, extra, want):
+  from dustin_jax import config
+  monkeypatch.setattr(config, "_jaxlib_version", lambda: jaxlib)
+  monkeypatch.setenv("XLA_FLAGS", preset)
+  config.append_xla_flags(extra)
+  assert os.environ["XLA_FLAGS"] == want
+
+
+def test_this_jaxlib_version_is_read():
+  import jax
+  from dustin_jax import config
+  assert config._jaxlib_version()[:2] == tuple(int(x) for x in jax.__version__.split(".")[:2])
