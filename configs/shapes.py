@@ -31,3 +31,8 @@ LLAMA32_1B = dict(model_type="llama", vocab_size=128256, hidden_size=2048, inter
                   rope_theta=500000.0, max_position_embeddings=131072, rms_norm_eps=1e-5,
                   rope_scaling=dict(_LLAMA31_ROPE, factor=32.0), tie_word_embeddings=True,
                   bos_token_id=128000, eos_token_id=[128001, 128008, 128009])
+
+# the benchmarks' (target, draft) pairs, by the name their flags take
+PAIRS = {"qwen7b": (QWEN25_7B, QWEN25_05B),
+         "llama3_8b": (LLAMA3_8B, LLAMA32_1B),
+         "qwen72b": (QWEN25_72B, QWEN25_05B)}

@@ -1,8 +1,8 @@
-"""Reading device time out of JAX profiler traces (benchmark scripts).
+"""Benchmark helpers: device time out of JAX profiler traces, random models.
 
 Wall-clock timing of a few-microsecond kernel measures the host; the GPU
 kernel intervals in a profiler trace measure the device. Shared by
-scripts/bench_attention.py and scripts/profile_step.py.
+scripts/bench_attention.py, scripts/bench_e2e.py and scripts/profile_step.py.
 """
 
 from __future__ import annotations
@@ -123,3 +123,25 @@ class DeviceTimer:
 def median(xs):
   xs = sorted(xs)
   return xs[len(xs) // 2]
+
+
+def random_model(cfg, seed: int, mesh=None):
+  """A Model with random weights of `cfg`'s shapes, made in their shards over
+  `mesh` (KV heads replicated where the model axis needs it)."""
+  from dustin_jax import sharding
+  from dustin_jax.generate import Model
+  from dustin_jax.weights import random_params
+  graphdef, state = random_params(cfg, seed=seed, mesh=mesh)
+  if mesh is not None:
+    cfg, graphdef, state = sharding.place_model(cfg, graphdef, state, mesh)
+  return Model(cfg, graphdef, state)
+
+
+def fresh_decode_state(batch: int, mesh=None):
+  """A decode state far from its max_new (timed steps never finish),
+  sharded over `mesh` like the decode loops shard it."""
+  import jax
+  from dustin_jax.generate import DecodeState
+  from dustin_jax.sharding import shard_batch_tree
+  ds = DecodeState.init([[1, 2]] * batch, 1 << 30, jax.random.key(0))
+  return ds if mesh is None else shard_batch_tree(ds, mesh)

@@ -40,6 +40,8 @@ import time
 from absl import app
 from absl import flags
 
+from dustin_jax.benchmarking import fresh_decode_state, random_model
+
 flags.DEFINE_string("out_dir", "results/h200", "where e2e.json and e2e.png go")
 flags.DEFINE_list("models", ["qwen7b", "llama3_8b"], "qwen7b (7B + 0.5B) and/or llama3_8b (8B + 1B)")
 flags.DEFINE_list("contexts", ["8192", "16384", "32768"], "context lengths")
@@ -76,13 +78,11 @@ POLICY = {"sd_full": "full", "sd_magicdec": "full", "dustin": "dustin", "streami
 
 
 def _pairs():
-  from configs import shapes
   if FLAGS.smoke:
     from configs import tiny  # (imports ml_collections, absent on the GPU machine)
     return {"tiny": (tiny.tiny_hf(4), tiny.tiny_hf(2))}
-  return {"qwen7b": (shapes.QWEN25_7B, shapes.QWEN25_05B),
-          "llama3_8b": (shapes.LLAMA3_8B, shapes.LLAMA32_1B),
-          "qwen72b": (shapes.QWEN25_72B, shapes.QWEN25_05B)}
+  from configs import shapes
+  return shapes.PAIRS
 
 
 def _time_loop(step, carry, repeats):
@@ -115,27 +115,6 @@ def _time_loop(step, carry, repeats):
   gpu = timer.ms("steps")
   return dict(step_ms=1e3 * ahead, step_sync_ms=1e3 * median(sync),
               gpu_ms=gpu[0] / repeats if gpu else None), carry
-
-
-def fresh_decode_state(batch, mesh):
-  """A decode state far from its max_new (the timed steps never finish),
-  sharded over `mesh` like the decode loops shard it."""
-  import jax
-  from dustin_jax.generate import DecodeState
-  from dustin_jax.sharding import shard_batch_tree
-  ds = DecodeState.init([[1, 2]] * batch, 1 << 30, jax.random.key(0))
-  return ds if mesh is None else shard_batch_tree(ds, mesh)
-
-
-def random_model(cfg, seed, mesh):
-  """Random weights of `cfg`'s shapes, made in their shards over `mesh`."""
-  from dustin_jax import sharding
-  from dustin_jax.generate import Model
-  from dustin_jax.weights import random_params
-  graphdef, state = random_params(cfg, seed=seed, mesh=mesh)
-  if mesh is not None:
-    cfg, graphdef, state = sharding.place_model(cfg, graphdef, state, mesh)
-  return Model(cfg, graphdef, state)
 
 
 def bench_vanilla(target, cache, context, impl, repeats, mesh=None):

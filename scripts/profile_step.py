@@ -2,8 +2,9 @@ r"""Where the time of one decoding step goes: device time per kernel.
 
   python -m scripts.profile_step --out_dir=results/h200 --context=32768 --batch=16
 
-Runs the vanilla step and the dustin step (random weights of the Qwen2.5-7B /
-0.5B shapes, caches filled to `context`): the step time as the decode loops
+Runs the vanilla step and the dustin step (random weights of a benchmark
+pair's shapes, `--model`, over `--mesh_model` devices; caches filled to
+`context`): the step time as the decode loops
 run it (no profiler), then under the JAX profiler the GPU kernel time per
 kernel name (GPU busy time = the union of kernel intervals; launches) and
 the host time per traced host event (where dispatch time goes when the step
@@ -21,9 +22,13 @@ import time
 from absl import app
 from absl import flags
 
-from dustin_jax.benchmarking import busy_time, device_events, load_trace_events
+from dustin_jax.benchmarking import (busy_time, device_events, fresh_decode_state,
+                                     load_trace_events, random_model)
 
 flags.DEFINE_string("out_dir", "results/h200", "where profile_step.json goes")
+flags.DEFINE_string("model", "qwen7b", "target + draft shapes: qwen7b, llama3_8b or qwen72b")
+flags.DEFINE_integer("mesh_model", 1, "tensor-parallel ways (the target sharded, the draft "
+                     "whole on every device, as in bench_e2e)")
 flags.DEFINE_integer("context", 32768, "context length")
 flags.DEFINE_integer("batch", 16, "batch size")
 flags.DEFINE_integer("gamma", 4, "draft length")
@@ -101,30 +106,37 @@ def main(argv):
   import jax
   import jax.numpy as jnp
   from configs import shapes
+  from dustin_jax import sharding
   from dustin_jax.cache import random_cache
   from dustin_jax.config import ModelConfig
-  from dustin_jax.generate import DecodeState, Model, bind_vanilla_step
+  from dustin_jax.generate import bind_vanilla_step
   from dustin_jax.selection.policies import policy_from_config
   from dustin_jax.spec.step import SpecConfig, SpecState, bind_spec_step
-  from dustin_jax.weights import random_params
 
-  thf, dhf, layers = dict(shapes.QWEN25_7B), dict(shapes.QWEN25_05B), None
-  b, ctx = FLAGS.batch, FLAGS.context
+  thf, dhf = shapes.PAIRS[FLAGS.model]
+  layers, b, ctx = None, FLAGS.batch, FLAGS.context
   if FLAGS.smoke:
     layers, b, ctx = 2, 2, 64
-  tcfg = ModelConfig.from_hf(thf, dtype="bfloat16", num_layers=layers)
-  dcfg = ModelConfig.from_hf(dhf, dtype="bfloat16", num_layers=layers)
-  target, draft = Model(tcfg, *random_params(tcfg, 0)), Model(dcfg, *random_params(dcfg, 1))
-  max_len = ctx + (FLAGS.steps + 2) * (FLAGS.gamma + 1) + 8  # lengths grow as steps commit
+  mesh = sharding.make_mesh(1, FLAGS.mesh_model) if FLAGS.mesh_model > 1 else None
+  dmesh = sharding.draft_mesh(mesh)
+  tcfg = ModelConfig.from_hf(dict(thf), dtype="bfloat16", num_layers=layers)
+  dcfg = ModelConfig.from_hf(dict(dhf), dtype="bfloat16", num_layers=layers)
+  target, draft = random_model(tcfg, 0, mesh), random_model(dcfg, 1, dmesh)
+  tcfg, dcfg = target.cfg, draft.cfg
+  # lengths grow as steps commit: room for every step this script runs
+  n_steps = 2 + 3 * FLAGS.asrun_steps + FLAGS.steps
+  max_len = ctx + (n_steps + 2) * (FLAGS.gamma + 1) + 8
   full = jnp.full((b,), ctx, jnp.int32)
-  ds0 = DecodeState.init([[1, 2]] * b, 1 << 30, jax.random.key(0))
+  if mesh is not None:
+    full = sharding.shard_batch_tree(full, mesh)
+  ds0 = fresh_decode_state(b, mesh)
   fresh = lambda: jax.tree_util.tree_map(lambda x: x.copy(), ds0)
-  out = {"device": jax.devices()[0].device_kind, "batch": b, "context": ctx,
-         "gamma": FLAGS.gamma, "jax_version": jax.__version__,
-         "xla_flags": os.environ.get("XLA_FLAGS", "")}
+  out = {"device": jax.devices()[0].device_kind, "devices": FLAGS.mesh_model,
+         "model": FLAGS.model, "batch": b, "context": ctx, "gamma": FLAGS.gamma,
+         "jax_version": jax.__version__, "xla_flags": os.environ.get("XLA_FLAGS", "")}
 
-  vstep = bind_vanilla_step(target)
-  box = {"c": random_cache(tcfg, b, max_len, ctx, 11), "ds": ds0}
+  vstep = bind_vanilla_step(target, mesh=mesh)
+  box = {"c": random_cache(tcfg, b, max_len, ctx, 11, mesh=mesh), "ds": ds0}
   def vrun():  # lengths grow by one per step from `ctx`
     box["c"], box["ds"], o, _ = vstep(box["c"], box["ds"])
     return o
@@ -135,10 +147,14 @@ def main(argv):
 
   policy = policy_from_config(dict(policy="dustin", budget=512, n_sink=16, n_window=64, m=128),
                               tcfg, dcfg)
-  cfg = SpecConfig(gamma=FLAGS.gamma, policy=policy, draft_kv="streaming")
+  cfg = SpecConfig(gamma=FLAGS.gamma, policy=policy, draft_kv="streaming", mesh=mesh)
   c = box.pop("c")
-  st = {"s": SpecState(c.with_lengths(full.copy()), random_cache(dcfg, b, max_len, ctx, 13),
-                       fresh(), policy.init(b, max_len))}
+  signals = policy.init(b, max_len)
+  if mesh is not None:
+    signals = sharding.shard_batch_tree(signals, mesh)
+  dcache = random_cache(dcfg, b, max_len, ctx, 13, mesh=dmesh)
+  st = {"s": SpecState(c.with_lengths(full.copy()), dcache.with_lengths(full.copy()), fresh(),
+                       signals)}
   sstep = bind_spec_step(target, draft, cfg)
   def srun():
     st["s"], o = sstep(st["s"])
