@@ -85,3 +85,22 @@ def test_this_jaxlib_version_is_read():
   import jax
   from dustin_jax import config
   assert config._jaxlib_version()[:2] == tuple(int(x) for x in jax.__version__.split(".")[:2])
+
+
+def test_tokenizer_larger_than_the_model_vocab_is_refused(tiny_llama, tmp_path):
+  import shutil
+  from tokenizers import Tokenizer, models, pre_tokenizers
+  from transformers import PreTrainedTokenizerFast
+  src, _ = tiny_llama  # a checkpoint of vocab_size 97
+  ckpt = tmp_path / "ckpt"
+  shutil.copytree(src, ckpt)
+  words = {f"w{i}": i for i in range(200)}
+  words["[UNK]"] = 200
+  tok = Tokenizer(models.WordLevel(words, unk_token="[UNK]"))
+  tok.pre_tokenizer = pre_tokenizers.Whitespace()
+  PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]").save_pretrained(ckpt)
+  code, last = _cli("--config.random_weights=False", f"--config.target.checkpoint={ckpt}",
+                    f"--config.draft.checkpoint={ckpt}", "--config.prompt=w1 w2 w3",
+                    "--config.progress=False")
+  assert code != 0 and last.startswith("error:"), last
+  assert "vocab_size=97 is smaller than the tokenizer's 201 tokens" in last

@@ -220,3 +220,8 @@ def test_bad_inputs(pair):
     generate_speculative(target, draft, [[5]], max_new_tokens=4, max_len=32)
   with pytest.raises(InputError, match="max_len is 16"):
     generate_speculative(target, draft, [[5] * 10], max_new_tokens=4, max_len=16)
+  # a draft of another tokenizer: vocabularies that differ by more than padding
+  other = Model(dataclasses.replace(draft.cfg, vocab_size=2 * target.cfg.vocab_size),
+                draft.graphdef, draft.state)
+  with pytest.raises(InputError, match="do not share a tokenizer"):
+    generate_speculative(target, other, [[5] * 4], max_new_tokens=4, max_len=32)
