@@ -69,6 +69,10 @@ def base_config() -> ml_collections.ConfigDict:
   # appended to XLA_FLAGS before JAX starts its backend (scripts.decode only);
   # the flags measured on the H200 and what they did: results/h200/README.md
   c.xla_flags = ""
+  # share of each accelerator's memory XLA's allocator may take (0: its
+  # default, 75%); the memory plan checks against it. Qwen2.5-72B on 2 H200s
+  # needs ~0.95 (results/h200x2/README.md)
+  c.mem_fraction = 0.0
   return c
 
 

@@ -281,7 +281,7 @@ def check_fits(plan: MemoryPlan) -> None:
       f"{plan.capacity / 2**30:.1f} GiB available.\n{plan.table()}\n"
       "fix: more devices (mesh.model / mesh.data), a smaller batch_size, or a shorter max_len; "
       "XLA's allocator takes 75% of the device by default, XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 "
-      "gives it more")
+      "(scripts.decode: --config.mem_fraction=0.95) gives it more")
 
 
 def device_capacity() -> int | None:

@@ -11,6 +11,7 @@ every sequence under `sequences`.
 """
 
 import json
+import os
 import sys
 import time
 
@@ -83,6 +84,10 @@ def main(argv):
   from dustin_jax.generate import InputError
   c = _CONFIG.value
   append_xla_flags(c.xla_flags)  # nothing has started the backend yet
+  if c.mem_fraction:
+    if not 0 < c.mem_fraction <= 1:
+      sys.exit(f"error: mem_fraction={c.mem_fraction} must be in (0, 1]")
+    os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] = str(c.mem_fraction)
   try:
     r = run(c)
   except (ConfigError, InputError, ValueError) as e:

@@ -34,6 +34,7 @@ def _cli(*overrides):
     ("--config.gamma=0", "gamma must be >= 1"),
     ("--config.dustin.polcy=dustin", 'Did you mean "policy"'),
     ("--config.dustin.budget=8", "dustin.budget=8 is smaller than"),
+    ("--config.mem_fraction=1.5", "mem_fraction=1.5 must be in (0, 1]"),
 ])
 def test_bad_config_fails_with_one_clear_message(override, message):
   args = [override] + (["--config.dustin.policy=dustin"] if "budget" in override else [])

@@ -136,8 +136,9 @@ def test_memory_plan_72b_hand_computed():
   assert plan8.total < plan4.total < 141e9
   # the whole model on one H200 cannot fit: a clear refusal naming the fix
   plan1 = sharding.memory_plan(t, d, batch=16, max_len=32768, data=1, model=1, capacity=141 * 10**9)
-  with pytest.raises(ConfigError, match="more devices"):
+  with pytest.raises(ConfigError, match="more devices") as refused:
     sharding.check_fits(plan1)
+  assert "--config.mem_fraction" in str(refused.value)  # the allocator's share, the other fix
 
 
 def test_cli_72b_shape_reduced_layers_runs_a_step_on_8_devices(tmp_path, capsys):
