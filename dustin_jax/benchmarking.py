@@ -145,3 +145,29 @@ def fresh_decode_state(batch: int, mesh=None):
   from dustin_jax.sharding import shard_batch_tree
   ds = DecodeState.init([[1, 2]] * batch, 1 << 30, jax.random.key(0))
   return ds if mesh is None else shard_batch_tree(ds, mesh)
+
+
+def floor_bytes(method, tcfg, dcfg, batch, context, gamma, budget, policy, ways=1):
+  """The fewest HBM bytes one device must move in a step: weights once per
+  forward, the KV rows each forward attends to, the SRH keys the estimation
+  scores (once per step: the draft's gamma queries are scored in one call).
+  The target's weights and KV are split `ways` ways (tensor parallel); the
+  draft runs whole on every device."""
+  from dustin_jax.spec.step import SpecConfig
+  def weights(c):
+    return c.num_params() * 2
+  def kv(c, rows):
+    return c.kv_bytes_per_token(2) * rows * batch
+  if method.startswith("vanilla"):
+    return {"verify": (weights(tcfg) + kv(tcfg, context)) // ways}
+  streaming = SpecConfig().draft_sink + SpecConfig().draft_window  # the benchmarks' draft cache
+  draft_rows = context if method == "sd_full" else min(context, streaming)
+  out = {"draft": gamma * (weights(dcfg) + kv(dcfg, draft_rows))}
+  rows = context if method.startswith("sd_") else budget
+  out["verify"] = (weights(tcfg) + kv(tcfg, rows + gamma + 1)) // ways
+  if policy is not None and hasattr(policy, "draft_heads"):
+    k_row = 2 * batch * context  # bytes per head-dim column of one KV head's keys
+    heads = {(l, h // dcfg.group_size) for l, h in policy.draft_heads}
+    theads = {(l, h // tcfg.group_size) for l, h in policy.target_heads}
+    out["estimate"] = k_row * (len(heads) * dcfg.head_dim + len(theads) * tcfg.head_dim)
+  return out

@@ -40,7 +40,7 @@ import time
 from absl import app
 from absl import flags
 
-from dustin_jax.benchmarking import fresh_decode_state, random_model
+from dustin_jax.benchmarking import floor_bytes, fresh_decode_state, random_model
 
 flags.DEFINE_string("out_dir", "results/h200", "where e2e.json and e2e.png go")
 flags.DEFINE_list("models", ["qwen7b", "llama3_8b"], "qwen7b (7B + 0.5B) and/or llama3_8b (8B + 1B)")
@@ -166,27 +166,6 @@ def bench_spec(target, draft, tcache, dcache, context, cfg, repeats, phases=True
     est_wall, est_dev = estimation_ms(target, draft, st, cfg, repeats)
     ph["estimate_isolated"] = est_dev if est_dev is not None else est_wall
   return times, ph, temp, st.target, st.draft
-
-
-def floor_bytes(method, tcfg, dcfg, batch, context, gamma, budget, policy):
-  """The fewest HBM bytes a step must move: weights once per forward, the
-  KV rows each forward attends to (+ the SRH keys of the estimation)."""
-  def weights(c):
-    return c.num_params() * 2
-  def kv(c, rows):
-    return c.kv_bytes_per_token(2) * rows * batch
-  if method.startswith("vanilla"):
-    return {"verify": weights(tcfg) + kv(tcfg, context)}
-  draft_rows = context if method == "sd_full" else min(context, 16 + 496)
-  out = {"draft": gamma * (weights(dcfg) + kv(dcfg, draft_rows))}
-  rows = context if method.startswith("sd_") else budget
-  out["verify"] = weights(tcfg) + kv(tcfg, rows + gamma + 1)
-  if policy is not None and hasattr(policy, "draft_heads"):
-    k_row = 2 * batch * context  # bytes per head-dim column of one KV head's keys
-    heads = {(l, h // dcfg.group_size) for l, h in policy.draft_heads}
-    theads = {(l, h // tcfg.group_size) for l, h in policy.target_heads}
-    out["estimate"] = k_row * (len(heads) * dcfg.head_dim * gamma + len(theads) * tcfg.head_dim)
-  return out
 
 
 def load_tau(path):
@@ -346,7 +325,7 @@ def main(argv):
                     phases=str(batch) in FLAGS.phase_batches)
                 rec.update(times, phase_ms=phases, compiled_temp_bytes=temp)
               rec["floor_bytes"] = floor_bytes(method, tcfg, dcfg, batch, context, gamma,
-                                               FLAGS.budget, policy)
+                                               FLAGS.budget, policy, ways=FLAGS.mesh_model)
               price(rec, taus, tau_path, vanilla_ms.get(("vanilla", context)))
             except Exception as e:  # noqa: BLE001 -- record and go on: one bad config
               rec["error"] = f"{type(e).__name__}: {e}"[:500]

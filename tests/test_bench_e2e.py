@@ -93,3 +93,32 @@ def test_reprice_on_step_and_on_gpu_time_against_its_own_vanilla(tmp_path):
   assert own["speedup_vs_vanilla"] == pytest.approx(2.0 * 10.0 / 5.0) and own["vanilla_run"] == "s1"
   assert fallback["speedup_vs_vanilla"] == pytest.approx(2.0 * 12.0 / 5.0)
   assert fallback["vanilla_run"] == "s3"
+
+
+def test_floor_bytes_hand_computed():
+  """Bytes one device must move per step, against hand-computed sums."""
+  import types
+  from configs import shapes
+  from dustin_jax.benchmarking import floor_bytes
+  from dustin_jax.config import ModelConfig
+  t = ModelConfig.from_hf(dict(shapes.QWEN25_7B))
+  d = ModelConfig.from_hf(dict(shapes.QWEN25_05B))
+  b, ctx, gamma, budget = 16, 32768, 4, 512
+  tw, dw = t.num_params() * 2, d.num_params() * 2
+  tkv = 28 * 2 * 4 * 128 * 2  # bytes per token: layers x (k, v) x KV heads x head_dim x bf16
+  dkv = 24 * 2 * 2 * 64 * 2
+  assert t.kv_bytes_per_token(2) == tkv and d.kv_bytes_per_token(2) == dkv
+  assert floor_bytes("vanilla", t, d, b, ctx, gamma, budget, None) == {"verify": tw + tkv * ctx * b}
+  # two-way tensor parallel: the target's weights and KV split, the draft whole
+  assert floor_bytes("vanilla", t, d, b, ctx, gamma, budget, None, ways=2)["verify"] == (
+      (tw + tkv * ctx * b) // 2)
+  full = floor_bytes("sd_full", t, d, b, ctx, gamma, budget, None, ways=2)
+  assert full == {"draft": gamma * (dw + dkv * ctx * b),
+                  "verify": (tw + tkv * (ctx + gamma + 1) * b) // 2}
+  # dustin: a 512-row streaming draft cache, the budget's rows, the SRH keys once
+  policy = types.SimpleNamespace(draft_heads=[(3, 0), (3, 13), (5, 2)],  # KV heads 0, 1 of 3; 0 of 5
+                                 target_heads=[(7, 1), (7, 27)])  # KV heads 0, 3 of layer 7
+  dus = floor_bytes("dustin", t, d, b, ctx, gamma, budget, policy)
+  assert dus["draft"] == gamma * (dw + dkv * 512 * b)
+  assert dus["verify"] == tw + tkv * (budget + gamma + 1) * b
+  assert dus["estimate"] == 2 * b * ctx * (3 * 64 + 2 * 128)
