@@ -29,13 +29,13 @@ STABLE_GRAPH_FLAG = "--xla_gpu_command_buffer_update_mode=SKIP_TEMP"
 STABLE_GRAPH_MIN_JAXLIB = (0, 11, 2)
 
 
-def append_xla_flags(extra: str, stable_graphs: bool = True) -> None:
+def append_xla_flags(extra: str) -> None:
   """Append `extra` to XLA_FLAGS, with `STABLE_GRAPH_FLAG` first where this
-  jaxlib knows it and no update mode is set already. XLA reads the flags
-  once, when JAX starts its backend: call this before anything touches a
-  device."""
+  jaxlib knows it and no update mode is set already (setting one is how to
+  opt out). XLA reads the flags once, when JAX starts its backend: call this
+  before anything touches a device."""
   flags = f"{os.environ.get('XLA_FLAGS', '')} {extra}".strip()
-  if (stable_graphs and "command_buffer_update_mode" not in flags
+  if ("command_buffer_update_mode" not in flags
       and _jaxlib_version() >= STABLE_GRAPH_MIN_JAXLIB):
     flags = f"{STABLE_GRAPH_FLAG} {flags}".strip()
   if flags:
