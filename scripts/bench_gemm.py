@@ -1,0 +1,197 @@
+r"""How close the decoder's projections come to the bandwidth at decode rows.
+
+A decode or verify forward multiplies a few activation rows (batch x tokens:
+16 for a draft pass at batch 16, 80 for the verify of gamma 4) by every
+weight matrix once, so each projection is memory-bound: its floor is its
+weight bytes at the copy bandwidth. The e2e profile of the 7B + 0.5B step
+(results/h200/README.md) puts the draft's projections at 15-50% of that and
+the verify's merged q/k/v at ~35%; this measures them one by one.
+
+Times, in one process: each projection of a benchmark pair
+(`configs.shapes.PAIRS`; `--ways` > 1: one tensor-parallel shard) at each row
+count, as the model computes it (`x @ w`, bf16 in, f32 accumulation, bf16
+out; the bias and activation epilogues XLA fuses in the model are left out)
+and with K split by hand (`split_k_dot`: S partial products summed in f32:
+S times more thread blocks for the narrow outputs; checked against the dot,
+`max_abs_err`), against a jnp copy's
+bandwidth measured in the same run. Each timed jit holds enough distinct
+weight copies to overflow the L2 cache, as a model's layers do. GPU time
+from the profiler trace (`dustin_jax.benchmarking.DeviceTimer`), else wall
+time. Writes gemm.json (records) and gemm.png.
+
+  python -m scripts.bench_gemm --out_dir=results/h200
+  python -m scripts.bench_gemm --smoke --out_dir=/tmp/g   # CPU, tiny shapes
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+import time
+
+from absl import app
+from absl import flags
+
+from dustin_jax.benchmarking import DeviceTimer
+
+flags.DEFINE_string("out_dir", "results/h200", "where gemm.json and gemm.png go")
+flags.DEFINE_list("models", ["qwen7b"], "benchmark pairs (configs.shapes.PAIRS)")
+flags.DEFINE_list("rows", ["8", "16", "40", "80"], "activation rows (batch x tokens)")
+flags.DEFINE_list("splits", ["2", "4", "8"], "K splits of split_k_dot")
+flags.DEFINE_integer("ways", 1, "tensor-parallel ways: time one device's shard")
+flags.DEFINE_integer("flush_mb", 256, "weight bytes per timed jit (> L2: no cache reuse)")
+flags.DEFINE_integer("repeats", 5, "timed calls per measurement (median)")
+flags.DEFINE_string("xla_flags", "", "appended to XLA_FLAGS before jax starts")
+flags.DEFINE_bool("smoke", False, "tiny shapes (CPU)")
+FLAGS = flags.FLAGS
+
+
+def split_k_dot(x, w, splits: int):
+  """`x @ w` as `splits` partial products over slices of K, summed in f32."""
+  import jax.numpy as jnp
+  m, k = x.shape
+  parts = jnp.einsum("msk,skn->smn", x.reshape(m, splits, k // splits),
+                     w.reshape(splits, k // splits, w.shape[1]),
+                     preferred_element_type=jnp.float32)
+  return parts.sum(0).astype(x.dtype)
+
+
+def plain_dot(x, w):
+  """As `Linear` computes it (dustin_jax/models/decoder.py)."""
+  import jax.numpy as jnp
+  return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
+
+
+def projections(cfg, ways: int) -> dict[str, tuple[int, int]]:
+  """(K, N) of each projection of one layer (+ the LM head) on one device of
+  a `ways`-way tensor-parallel split: column-parallel q/k/v, gate/up and LM
+  head split N, row-parallel o and down split K. q/k/v and gate/up appear
+  merged, as XLA runs them (one GEMM over the shared input)."""
+  d, hd, f = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+  return {"qkv": (d, (cfg.num_heads + 2 * cfg.num_kv_heads) * hd // ways),
+          "o": (cfg.num_heads * hd // ways, d),
+          "gate_up": (d, 2 * f // ways),
+          "down": (f // ways, d),
+          "lm_head": (d, cfg.vocab_size // ways)}
+
+
+def main(argv):
+  del argv
+  from dustin_jax.config import append_xla_flags
+  append_xla_flags(FLAGS.xla_flags)
+  import jax
+  import jax.numpy as jnp
+  from configs import shapes
+  from dustin_jax.config import ModelConfig
+
+  os.makedirs(FLAGS.out_dir, exist_ok=True)
+  out_json = os.path.join(FLAGS.out_dir, "gemm.json")
+  dtype = jnp.bfloat16
+  device = jax.devices()[0].device_kind
+  meta = dict(device=device, jax_version=jax.__version__, ways=FLAGS.ways,
+              xla_flags=os.environ.get("XLA_FLAGS", ""))
+  flush = (FLAGS.flush_mb if not FLAGS.smoke else 4) * 2**20
+
+  def timed(fn, args):
+    """(device ms or None, wall ms) of one call of jitted `fn(*args)`."""
+    f = jax.jit(fn)
+    jax.block_until_ready(f(*args))
+    walls = []
+    with DeviceTimer() as t:
+      for _ in range(FLAGS.repeats):
+        with t.window("call"):
+          t0 = time.perf_counter()
+          jax.block_until_ready(f(*args))
+          walls.append(1e3 * (time.perf_counter() - t0))
+    dev = t.ms("call")
+    return (statistics.median(dev) if dev else None), statistics.median(walls)
+
+  n = flush // 2
+  src = jnp.ones((n,), dtype)
+  dev_ms, wall_ms = timed(jnp.copy, (src,))
+  copy_tbs = 2 * src.nbytes / ((dev_ms or wall_ms) * 1e-3) / 1e12
+  del src
+  records = [dict(meta, kernel="copy", bytes=2 * n * 2, ms=dev_ms or wall_ms, tbs=copy_tbs)]
+  print(f"copy bandwidth {copy_tbs:.2f} TB/s on {device}", flush=True)
+
+  pairs = shapes.PAIRS
+  if FLAGS.smoke:
+    from configs import tiny
+    pairs = {"tiny": (tiny.tiny_hf(2), tiny.tiny_hf(1))}
+  key = jax.random.key(0)
+  for name in FLAGS.models if not FLAGS.smoke else ["tiny"]:
+    for role, hf in zip(("target", "draft"), pairs[name]):
+      cfg = ModelConfig.from_hf(dict(hf), dtype="bfloat16")
+      ways = FLAGS.ways if role == "target" else 1  # the draft runs whole
+      for proj, (k, n_out) in projections(cfg, ways).items():
+        wbytes = k * n_out * 2
+        copies = max(2, min(64, math.ceil(flush / wbytes)))
+        key, kw, kx = jax.random.split(key, 3)
+        ws = [jax.random.normal(kk, (k, n_out), dtype) * 0.02 for kk in jax.random.split(kw, copies)]
+        for rows in (int(r) for r in FLAGS.rows):
+          xs = [jax.random.normal(kk, (rows, k), dtype) for kk in jax.random.split(kx, copies)]
+          variants = [("dot", 1, plain_dot)]
+          variants += [(f"split_k{s}", s, lambda x, w, s=s: split_k_dot(x, w, s))
+                       for s in (int(v) for v in FLAGS.splits) if k % s == 0 and k // s >= 64]
+          want = plain_dot(xs[0], ws[0]).astype(jnp.float32)
+          for variant, splits, fn in variants:
+            # the variant computes the same product (f32 sums in another order)
+            err = float(jnp.max(jnp.abs(fn(xs[0], ws[0]).astype(jnp.float32) - want)))
+            dev_ms, wall_ms = timed(
+                lambda xs, ws, fn=fn: [fn(x, w) for x, w in zip(xs, ws)], (xs, ws))
+            us = 1e3 * (dev_ms or wall_ms) / copies
+            rec = dict(meta, kernel="gemm", model=name, role=role, proj=proj, k=k, n=n_out,
+                       rows=rows, variant=variant, splits=splits, weight_bytes=wbytes,
+                       copies=copies, us=us, gpu=dev_ms is not None, max_abs_err=err,
+                       max_abs_ref=float(jnp.max(jnp.abs(want))),
+                       tbs=wbytes / (us * 1e-6) / 1e12)
+            rec["bw_frac"] = rec["tbs"] / copy_tbs
+            records.append(rec)
+            print(f"{name} {role:6s} {proj:8s} K={k:6d} N={n_out:6d} rows={rows:3d} "
+                  f"{variant:9s} {us:8.2f} us  {rec['bw_frac']:6.0%} of copy BW", flush=True)
+          del xs
+        del ws
+  with open(out_json, "w") as f:
+    json.dump(records, f, indent=1)
+  save_plot(records, out_json.replace(".json", ".png"))
+  print(f"wrote {out_json}")
+
+
+def save_plot(records, path):
+  """Share of the copy bandwidth per projection and row count: the model's
+  dot and the best split-K, one panel per (model, role)."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  gemms = [r for r in records if r["kernel"] == "gemm"]
+  panels = sorted({(r["model"], r["role"]) for r in gemms})
+  if not panels:
+    return
+  fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4), squeeze=False)
+  for ax, (model, role) in zip(axes[0], panels):
+    mine = [r for r in gemms if (r["model"], r["role"]) == (model, role)]
+    projs = list(dict.fromkeys(r["proj"] for r in mine))
+    rows = sorted({r["rows"] for r in mine})
+    width = 0.8 / (2 * len(rows))
+    for j, m in enumerate(rows):
+      dot = [next((r["bw_frac"] for r in mine if r["proj"] == p and r["rows"] == m
+                   and r["variant"] == "dot"), 0) for p in projs]
+      best = [max([r["bw_frac"] for r in mine if r["proj"] == p and r["rows"] == m
+                   and r["variant"] != "dot"] or [0]) for p in projs]
+      xs = [i + (2 * j) * width for i in range(len(projs))]
+      ax.bar(xs, dot, width, label=f"{m} rows: dot")
+      ax.bar([x + width for x in xs], best, width, label=f"{m} rows: best split-K", alpha=0.6)
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(projs))], projs)
+    ax.axhline(1.0, color="gray", lw=0.8, ls="--")
+    ax.set_ylabel("share of the copy bandwidth")
+    ax.set_title(f"{model} {role}")
+    ax.legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
+if __name__ == "__main__":
+  app.run(main)
