@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import time
 
 from absl import app
@@ -265,7 +264,6 @@ def sparse_ppl(pair, base, policy, refs, gamma, return_top1=False):
   prompt) when every block of gamma+1 tokens is verified with the policy's
   I_verify (see `_tf_block_fn`). Returns (ppl, n tokens) and, with
   `return_top1`, the target's argmax at every scored position (per sequence)."""
-  import functools
   import jax
   import jax.numpy as jnp
   import numpy as np

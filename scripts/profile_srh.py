@@ -16,7 +16,6 @@ r"""Offline SRH profiling (Algorithm 1) of a target/draft pair.
    number of heads and ARR vs m (`--plot`).
 """
 
-import json
 import os
 import time
 

@@ -1,6 +1,5 @@
 """The decoder against transformers' PyTorch models, and KV-cache semantics."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

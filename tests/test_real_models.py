@@ -2,7 +2,6 @@
 
 import importlib.metadata
 
-import numpy as np
 import pytest
 import torch
 

@@ -1,7 +1,6 @@
 """The sharded step on 8 simulated CPU devices equals the unsharded one."""
 
 import jax
-import numpy as np
 import pytest
 
 from conftest import save_tiny_checkpoint
@@ -143,7 +142,6 @@ def test_memory_plan_72b_hand_computed():
 
 def test_cli_72b_shape_reduced_layers_runs_a_step_on_8_devices(tmp_path, capsys):
   """The 72B layer shapes, one layer each, on 8 simulated devices (1 x 8 mesh)."""
-  import json
   from configs import qwen72b
   from scripts.decode import run
   c = qwen72b.get_config()

@@ -1,6 +1,5 @@
 """LongBench-style task builders: deterministic, checkable, within budget."""
 
-import re
 
 import pytest
 

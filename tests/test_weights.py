@@ -12,7 +12,7 @@ from flax import nnx
 from conftest import save_tiny_checkpoint
 from dustin_jax.config import ConfigError, ModelConfig
 from dustin_jax.weights import (CheckpointError, hf_tensors_from_params, load_checkpoint,
-                                load_hf_checkpoint, restore_params, save_params)
+                                load_hf_checkpoint, save_params)
 
 
 def _pure(state):

@@ -145,7 +145,7 @@ def collect_item(pair, item: CalibItem, *, gamma: int, max_new: int, max_len: in
                  top_n: int = 1024, progress: bool = False, kv_cache_dir=None) -> dict:
   """Run lossless greedy SD over one calibration prompt with the Recorder;
   returns the per-step arrays (see the module docstring)."""
-  from dustin_jax.profiling.runtime import prefill_base, run_policy
+  from dustin_jax.profiling.runtime import prefill_base
   rec = recorder_for(pair)
   base = prefill_base(pair, [item.tokens], max_len, progress=progress, cache_dir=kv_cache_dir)
   idx_dtype = np.uint16 if max_len <= 65535 else np.int32

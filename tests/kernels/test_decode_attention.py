@@ -3,7 +3,6 @@ jnp reference, and the reference vs a float64 numpy loop."""
 import numpy as np
 import pytest
 
-import jax
 import jax.numpy as jnp
 
 from kernels.decode_attention import ops
