@@ -215,7 +215,7 @@ class BoundStep:
   at positions `donate` are donated. The params are bound: bind again after
   replacing them.
 
-  `outputs_from=k`: the results from position k on (the step's outputs, not
+  `outputs_from`: the results from that position on (the step's outputs, not
   its carried state) are written into buffers the step owns, donated back
   into every call, and the caller gets copies of them (a second, one-kernel
   executable). Why: on GPU, XLA launches the step as one CUDA graph and
@@ -225,10 +225,11 @@ class BoundStep:
   outputs XLA re-recorded nearly all 1881 commands of the 7B + 0.5B
   speculative step before every launch (~10 ms of host time per step on
   the H200, `results/h200/host_dispatch/`). With every result aliased to a
-  donated input, the graph's addresses stay put."""
+  donated input only the temporary buffer can still move between launches;
+  `dustin_jax.config.STABLE_GRAPH_FLAG` pins that one too."""
 
   def __init__(self, fn, models: Sequence[Model], donate: tuple[int, ...] = (0,),
-               outputs_from: int | None = None, **static):
+               *, outputs_from: int, **static):
     leaves, defs = zip(*(jax.tree_util.tree_flatten(m.state) for m in models))
     self._params = tuple(leaves)
     self._outputs_from = outputs_from
@@ -236,11 +237,9 @@ class BoundStep:
     # one jitted function per (step, models' structure, settings): binding
     # again (each generate call) reuses its compiled executables
     self._jitted = _bound_jit(fn, tuple(m.graphdef for m in models), defs, tuple(donate),
-                              outputs_from is not None, tuple(sorted(static.items())))
+                              tuple(sorted(static.items())))
 
   def __call__(self, *args):
-    if self._outputs_from is None:
-      return self._jitted(self._params, *args)
     key, slots = self._slots_for(args)
     res = self._jitted(self._params, *args, slots=slots)
     k = self._outputs_from
@@ -249,8 +248,6 @@ class BoundStep:
 
   def _slots_for(self, args):
     """Output buffers for args of these shapes: the last call's, or zeros."""
-    if self._outputs_from is None:
-      return None, ()
     key = tuple((x.shape, x.dtype) for x in jax.tree_util.tree_leaves(args))
     if self._slots is not None and self._slots[0] == key:
       return self._slots
@@ -272,7 +269,7 @@ def _copy_tree(tree):
 
 
 @functools.lru_cache(maxsize=64)
-def _bound_jit(fn, graphdefs, treedefs, donate, slotted, static):
+def _bound_jit(fn, graphdefs, treedefs, donate, static):
   def flat(params, *args, slots=()):
     # `slots` is donated and comes last, after the state: jit pairs donated
     # inputs with results of the same shape in order, so the state's results
@@ -285,7 +282,7 @@ def _bound_jit(fn, graphdefs, treedefs, donate, slotted, static):
   # keep_unused: a donated input the step never reads (a signal it only
   # overwrites) stays a parameter, so its result is aliased to it too
   return jax.jit(flat, donate_argnums=tuple(1 + i for i in donate),
-                 donate_argnames=("slots",) if slotted else (), keep_unused=True)
+                 donate_argnames=("slots",), keep_unused=True)
 
 
 def bind_vanilla_step(model: Model, *, sampling: SamplingConfig = SamplingConfig(),
