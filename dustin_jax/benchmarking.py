@@ -147,6 +147,22 @@ def fresh_decode_state(batch: int, mesh=None):
   return ds if mesh is None else shard_batch_tree(ds, mesh)
 
 
+def spec_state_at(tcache, dcache, context: int, policy, mesh=None):
+  """A speculative decode state with both caches committed up to `context`,
+  a fresh decode state and the policy's initial signals, sharded over
+  `mesh` like the decode loops shard them."""
+  import jax.numpy as jnp
+  from dustin_jax.sharding import shard_batch_tree
+  from dustin_jax.spec.step import SpecState
+  b = tcache.batch
+  full = jnp.full((b,), context, jnp.int32)
+  signals = policy.init(b, tcache.max_len)
+  if mesh is not None:
+    full, signals = shard_batch_tree((full, signals), mesh)
+  return SpecState(tcache.with_lengths(full), dcache.with_lengths(full.copy()),
+                   fresh_decode_state(b, mesh), signals)
+
+
 def floor_bytes(method, tcfg, dcfg, batch, context, gamma, budget, policy, ways=1):
   """The fewest HBM bytes one device must move in a step: weights once per
   forward, the KV rows each forward attends to, the SRH keys the estimation

@@ -40,7 +40,7 @@ import time
 from absl import app
 from absl import flags
 
-from dustin_jax.benchmarking import floor_bytes, fresh_decode_state, random_model
+from dustin_jax.benchmarking import floor_bytes, fresh_decode_state, random_model, spec_state_at
 
 flags.DEFINE_string("out_dir", "results/h200", "where e2e.json and e2e.png go")
 flags.DEFINE_list("models", ["qwen7b", "llama3_8b"], "qwen7b (7B + 0.5B) and/or llama3_8b (8B + 1B)")
@@ -137,18 +137,10 @@ def bench_spec(target, draft, tcache, dcache, context, cfg, repeats, phases=True
   """(step times (see `_time_loop`), phase times or None, temp bytes of the
   compiled step, caches). Lengths start at `context` and grow as tokens are
   committed; the per-phase timing resets them to `context` every step."""
-  import jax.numpy as jnp
-  from dustin_jax.sharding import shard_batch_tree
   from dustin_jax.spec.phases import estimation_ms, time_phases_donated
   from dustin_jax.spec.step import SpecState, bind_spec_step
-  b = tcache.batch
-  full = jnp.full((b,), context, jnp.int32)
-  fresh = lambda: fresh_decode_state(b, cfg.mesh)
-  signals = cfg.policy.init(b, tcache.max_len)
-  if cfg.mesh is not None:
-    full, signals = shard_batch_tree((full, signals), cfg.mesh)
-  st = SpecState(tcache.with_lengths(full.copy()), dcache.with_lengths(full.copy()), fresh(),
-                 signals)
+  st = spec_state_at(tcache, dcache, context, cfg.policy, cfg.mesh)
+  full = st.target.lengths.copy()  # the step donates the state: kept for the resets
   step = bind_spec_step(target, draft, cfg)
   mem = step.lower(st).compile().memory_analysis()
   temp = int(getattr(mem, "temp_size_in_bytes", -1)) if mem is not None else -1
@@ -157,7 +149,7 @@ def bench_spec(target, draft, tcache, dcache, context, cfg, repeats, phases=True
     return times, None, temp, st.target, st.draft
   def reset(s):  # the step donates its whole state: hand it a fresh decode state
     return SpecState(s.target.with_lengths(full.copy()), s.draft.with_lengths(full.copy()),
-                     fresh(), s.signals)
+                     fresh_decode_state(tcache.batch, cfg.mesh), s.signals)
   wall, dev, st = time_phases_donated(target, draft, reset(st), cfg, repeats, reset)
   ph = dict(dev or wall, basis="device" if dev else "wall",
             wall={k: round(v, 4) for k, v in wall.items()})
@@ -286,6 +278,7 @@ def main(argv):
   device = jax.devices()[0].device_kind
   cap = sharding.device_capacity()
   mesh = sharding.make_mesh(1, FLAGS.mesh_model) if FLAGS.mesh_model > 1 else None
+  dmesh = sharding.draft_mesh(mesh)
 
   def save():
     with open(out_json, "w") as f:
@@ -298,7 +291,7 @@ def main(argv):
     layers = FLAGS.num_layers or None
     tcfg = ModelConfig.from_hf(dict(thf), dtype="bfloat16", num_layers=target_layers or layers)
     dcfg = ModelConfig.from_hf(dict(dhf), dtype="bfloat16", num_layers=layers)
-    target, draft = random_model(tcfg, 0, mesh), random_model(dcfg, 1, sharding.draft_mesh(mesh))
+    target, draft = random_model(tcfg, 0, mesh), random_model(dcfg, 1, dmesh)
     tcfg, dcfg = target.cfg, draft.cfg
     for batch in (int(b) for b in FLAGS.batches):
       for gamma in (int(g) for g in FLAGS.gammas):
@@ -309,14 +302,14 @@ def main(argv):
         plan = sharding.memory_plan(tcfg, dcfg, batch=batch, max_len=max_len, data=1,
                                     model=FLAGS.mesh_model, gamma=gamma, capacity=cap)
         if not plan.fits():
-          print(f"skip {name} batch {batch}: {plan.total / 2**30:.0f} GiB > {plan.capacity / 2**30:.0f} "
-                "GiB (XLA_PYTHON_CLIENT_MEM_FRACTION raises the allocator's share)", flush=True)
+          print(f"skip {name} batch {batch}: {plan.total / 2**30:.0f} GiB > "
+                f"{plan.capacity / 2**30:.0f} GiB (XLA_PYTHON_CLIENT_MEM_FRACTION raises the "
+                "allocator's share)", flush=True)
           records.append(dict(method="*", model=name, batch=batch, gamma=gamma, skipped="memory",
                               need_gib=plan.total / 2**30))
           continue
         caches = lambda: (random_cache(tcfg, batch, max_len, max_ctx, 11, mesh=mesh),
-                          random_cache(dcfg, batch, max_len, max_ctx, 13,
-                                       mesh=sharding.draft_mesh(mesh)))
+                          random_cache(dcfg, batch, max_len, max_ctx, 13, mesh=dmesh))
         tcache, dcache = caches()
         vanilla_ms = {}
         for method in FLAGS.methods:

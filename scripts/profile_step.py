@@ -23,7 +23,7 @@ from absl import app
 from absl import flags
 
 from dustin_jax.benchmarking import (busy_time, device_events, fresh_decode_state,
-                                     load_trace_events, random_model)
+                                     load_trace_events, random_model, spec_state_at)
 
 flags.DEFINE_string("out_dir", "results/h200", "where profile_step.json goes")
 flags.DEFINE_string("model", "qwen7b", "target + draft shapes: qwen7b, llama3_8b or qwen72b")
@@ -104,14 +104,13 @@ def main(argv):
   from dustin_jax.config import append_xla_flags
   append_xla_flags(FLAGS.xla_flags)
   import jax
-  import jax.numpy as jnp
   from configs import shapes
   from dustin_jax import sharding
   from dustin_jax.cache import random_cache
   from dustin_jax.config import ModelConfig
   from dustin_jax.generate import bind_vanilla_step
   from dustin_jax.selection.policies import policy_from_config
-  from dustin_jax.spec.step import SpecConfig, SpecState, bind_spec_step
+  from dustin_jax.spec.step import SpecConfig, bind_spec_step
 
   thf, dhf = shapes.PAIRS[FLAGS.model]
   layers, b, ctx = None, FLAGS.batch, FLAGS.context
@@ -126,17 +125,12 @@ def main(argv):
   # lengths grow as steps commit: room for every step this script runs
   n_steps = 2 + 3 * FLAGS.asrun_steps + FLAGS.steps
   max_len = ctx + (n_steps + 2) * (FLAGS.gamma + 1) + 8
-  full = jnp.full((b,), ctx, jnp.int32)
-  if mesh is not None:
-    full = sharding.shard_batch_tree(full, mesh)
-  ds0 = fresh_decode_state(b, mesh)
-  fresh = lambda: jax.tree_util.tree_map(lambda x: x.copy(), ds0)
   out = {"device": jax.devices()[0].device_kind, "devices": FLAGS.mesh_model,
          "model": FLAGS.model, "batch": b, "context": ctx, "gamma": FLAGS.gamma,
          "jax_version": jax.__version__, "xla_flags": os.environ.get("XLA_FLAGS", "")}
 
   vstep = bind_vanilla_step(target, mesh=mesh)
-  box = {"c": random_cache(tcfg, b, max_len, ctx, 11, mesh=mesh), "ds": ds0}
+  box = {"c": random_cache(tcfg, b, max_len, ctx, 11, mesh=mesh), "ds": fresh_decode_state(b, mesh)}
   def vrun():  # lengths grow by one per step from `ctx`
     box["c"], box["ds"], o, _ = vstep(box["c"], box["ds"])
     return o
@@ -148,13 +142,8 @@ def main(argv):
   policy = policy_from_config(dict(policy="dustin", budget=512, n_sink=16, n_window=64, m=128),
                               tcfg, dcfg)
   cfg = SpecConfig(gamma=FLAGS.gamma, policy=policy, draft_kv="streaming", mesh=mesh)
-  c = box.pop("c")
-  signals = policy.init(b, max_len)
-  if mesh is not None:
-    signals = sharding.shard_batch_tree(signals, mesh)
   dcache = random_cache(dcfg, b, max_len, ctx, 13, mesh=dmesh)
-  st = {"s": SpecState(c.with_lengths(full.copy()), dcache.with_lengths(full.copy()), fresh(),
-                       signals)}
+  st = {"s": spec_state_at(box.pop("c"), dcache, ctx, policy, mesh)}
   sstep = bind_spec_step(target, draft, cfg)
   def srun():
     st["s"], o = sstep(st["s"])
