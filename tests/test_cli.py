@@ -71,7 +71,8 @@ def test_vanilla_method_ignores_the_policy():
     ((0, 11, 2), "", "--a=1", "--xla_gpu_command_buffer_update_mode=SKIP_TEMP --a=1"),
     ((0, 12, 0), "--b=2", "", "--xla_gpu_command_buffer_update_mode=SKIP_TEMP --b=2"),
     ((0, 10, 2), "--b=2", "--a=1", "--b=2 --a=1"),  # an older jaxlib rejects the flag
-    ((0, 11, 2), "", "--xla_gpu_command_buffer_update_mode=X", "--xla_gpu_command_buffer_update_mode=X"),
+    ((0, 11, 2), "", "--xla_gpu_command_buffer_update_mode=X",
+     "--xla_gpu_command_buffer_update_mode=X"),  # a mode set already wins
 ])
 def test_append_xla_flags_adds_the_stable_graph_mode_where_jaxlib_knows_it(
     monkeypatch, jaxlib, preset, extra, want):

@@ -52,7 +52,7 @@ def test_greedy_speculative_equals_greedy_vanilla(pair, gamma, rng):
 
 
 def test_bound_step_writes_its_outputs_in_place_and_hands_out_copies(pair, rng):
-  """Every result of the compiled step aliases a donated input (no buffer of
+  """Every result of the compiled step aliases a donated input (no output of
   the step's CUDA graph changes address between launches, see BoundStep),
   the step reuses its own output buffers, and the caller's outputs are
   copies that the next step does not touch."""
