@@ -161,16 +161,18 @@ def main(argv):
 
 def save_plot(records, path):
   """Share of the copy bandwidth per projection and row count: the model's
-  dot and the best split-K, one panel per (model, role)."""
+  dot and the best split-K; a row of panels per model, a column per role."""
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
   gemms = [r for r in records if r["kernel"] == "gemm"]
-  panels = sorted({(r["model"], r["role"]) for r in gemms})
-  if not panels:
+  models = sorted({r["model"] for r in gemms})
+  roles = sorted({r["role"] for r in gemms}, reverse=True)  # target, draft
+  if not models:
     return
-  fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4), squeeze=False)
-  for ax, (model, role) in zip(axes[0], panels):
+  fig, axes = plt.subplots(len(models), len(roles), figsize=(6 * len(roles), 4 * len(models)),
+                           squeeze=False)
+  for ax, (model, role) in zip(axes.flat, [(m, r) for m in models for r in roles]):
     mine = [r for r in gemms if (r["model"], r["role"]) == (model, role)]
     projs = list(dict.fromkeys(r["proj"] for r in mine))
     rows = sorted({r["rows"] for r in mine})
