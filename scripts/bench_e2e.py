@@ -403,14 +403,14 @@ def save_plot(records, path):
   ok = [r for r in records if r.get("step_ms") and not r.get("error")]
   if not ok:
     return
-  # one point per (method, model, batch, gamma, layers, context): the latest run's
-  latest = {}
-  for r in sorted(ok, key=lambda r: r.get("run") or ""):
-    latest[(r["method"], r["model"], r["batch"], r["gamma"], r.get("target_layers"),
-            bool(r.get("projected_from")), r["context"])] = r
-  ok = list(latest.values())
+  # one line per (method, model, batch, gamma, layers): the points of the
+  # latest run that measured it (no line mixes runs)
+  key = lambda r: (r["method"], r["model"], r["batch"], r["gamma"], r.get("target_layers"),
+                   bool(r.get("projected_from")))
+  latest = {key(r): r.get("run") or "" for r in sorted(ok, key=lambda r: r.get("run") or "")}
+  ok = [r for r in ok if (r.get("run") or "") == latest[key(r)]]
   models = sorted({r["model"] for r in ok})
-  fig, axes = plt.subplots(1, len(models), figsize=(7 * len(models), 5), squeeze=False)
+  fig, axes = plt.subplots(1, len(models), figsize=(10 * len(models), 5.5), squeeze=False)
   for ax, m in zip(axes[0], models):
     line = lambda r: (r["method"], r["batch"], r["gamma"], r.get("target_layers") or 0,
                       bool(r.get("projected_from")))
@@ -420,23 +420,35 @@ def save_plot(records, path):
                    for r in ok if r["model"] == m and line(r) == key)
       pts = [p for p in pts if p[1]]
       label = f"{method} B{batch} γ{gamma}" + (f" {layers} layers" if layers else "")
-      if pts:
-        drawn = ax.plot(*zip(*pts), marker="o", ls="--" if projected else "-",
-                        label=label + (" (projected)" if projected else ""))
-        gpu = [] if method != "dustin" or projected else sorted(
-            (r["context"], r["gpu_speedup_vs_vanilla"]) for r in ok
-            if r["model"] == m and line(r) == key and r.get("gpu_speedup_vs_vanilla"))
-        if gpu:  # the dustin step can be host-bound: show it on GPU time too
-          ax.plot(*zip(*gpu), marker="x", ls=":", color=drawn[0].get_color(),
-                  label=label + " on GPU time")
+      if not pts:
+        continue
+      # colour: method; line: batch; marker: gamma
+      style = dict(color=_METHOD_COLOR.get(method, "black"),
+                   ls="-." if projected else _BATCH_LS.get(batch, "-"),
+                   marker=_GAMMA_MARKER.get(gamma, "o"))
+      ax.plot(*zip(*pts), label=label + (" (projected)" if projected else ""), **style)
+      gpu = [] if method != "dustin" or projected else sorted(
+          (r["context"], r["gpu_speedup_vs_vanilla"]) for r in ok
+          if r["model"] == m and line(r) == key and r.get("gpu_speedup_vs_vanilla"))
+      if any(g > 1.03 * s for (_, g), (_, s) in zip(gpu, pts)):
+        # a host-bound dustin step (default XLA flags): its GPU time too
+        ax.plot(*zip(*gpu), color=style["color"], ls=":", marker="x", lw=0.8,
+                label=label + " on GPU time")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("context (tokens)")
     ax.set_ylabel("speedup vs vanilla (tokens/s; step time where tau unknown)")
     ax.axhline(1.0, color="gray", lw=0.5)
     ax.set_title(f"{m} on {ok[0]['device']}")
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
   fig.tight_layout()
   fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
+_METHOD_COLOR = {"dustin": "tab:red", "sd_full": "tab:blue", "sd_magicdec": "tab:cyan",
+                 "streaming": "tab:green", "quest": "tab:purple", "vanilla_xla": "tab:gray"}
+_BATCH_LS = {16: "-", 8: (0, (5, 2)), 1: (0, (1, 1))}
+_GAMMA_MARKER = {4: "o", 2: "s", 6: "^"}
 
 
 if __name__ == "__main__":
