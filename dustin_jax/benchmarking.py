@@ -187,3 +187,19 @@ def floor_bytes(method, tcfg, dcfg, batch, context, gamma, budget, policy, ways=
     theads = {(l, h // tcfg.group_size) for l, h in policy.target_heads}
     out["estimate"] = k_row * (len(heads) * dcfg.head_dim + len(theads) * tcfg.head_dim)
   return out
+
+
+# The floor's yardstick: the bandwidth of a jnp copy, per device kind, as
+# measured by scripts/bench_attention.py (results/h200/attention.json).
+COPY_TBS = {"NVIDIA H200": 4.23}
+
+
+def floor_time(rec: dict) -> None:
+  """Add `floor_ms` (a benchmark record's `floor_bytes` at its device's copy
+  bandwidth) and `floor_share` (floor_ms over the step's GPU time, else its
+  time as run) where the device's bandwidth is known."""
+  tbs = COPY_TBS.get(rec.get("device"))
+  step = rec.get("gpu_ms") or rec.get("step_ms")
+  if tbs and step and rec.get("floor_bytes"):
+    rec["floor_ms"] = sum(rec["floor_bytes"].values()) / (tbs * 1e9)
+    rec["floor_share"] = rec["floor_ms"] / step

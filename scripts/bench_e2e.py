@@ -40,7 +40,8 @@ import time
 from absl import app
 from absl import flags
 
-from dustin_jax.benchmarking import floor_bytes, fresh_decode_state, random_model, spec_state_at
+from dustin_jax.benchmarking import (floor_bytes, floor_time, fresh_decode_state, random_model,
+                                    spec_state_at)
 
 flags.DEFINE_string("out_dir", "results/h200", "where e2e.json and e2e.png go")
 flags.DEFINE_list("models", ["qwen7b", "llama3_8b"], "qwen7b (7B + 0.5B) and/or llama3_8b (8B + 1B)")
@@ -233,9 +234,9 @@ def method_policy(method, tcfg, dcfg, budget):
 
 
 def refloor(records):
-  """Recompute `floor_bytes` of the records of known shapes: the floor is a
-  property of the configuration, so records measured before a fix of the
-  count get the fixed one."""
+  """Recompute `floor_bytes` (and `floor_ms`, `floor_share`) of the records
+  of known shapes: the floor is a property of the configuration, so records
+  measured before a fix of the count get the fixed one."""
   from configs import shapes
   from dustin_jax.config import ModelConfig
   for r in records:
@@ -248,6 +249,7 @@ def refloor(records):
     r["floor_bytes"] = floor_bytes(r["method"], tcfg, dcfg, r["batch"], r["context"], r["gamma"],
                                    budget, method_policy(r["method"], tcfg, dcfg, budget),
                                    ways=r.get("devices") or 1)
+    floor_time(r)
 
 
 def main(argv):
@@ -342,6 +344,7 @@ def main(argv):
                 rec.update(times, phase_ms=phases, compiled_temp_bytes=temp)
               rec["floor_bytes"] = floor_bytes(method, tcfg, dcfg, batch, context, gamma,
                                                FLAGS.budget, policy, ways=FLAGS.mesh_model)
+              floor_time(rec)
               price(rec, taus, tau_path, vanilla_ms.get(("vanilla", context)))
             except Exception as e:  # noqa: BLE001 -- record and go on: one bad config
               rec["error"] = f"{type(e).__name__}: {e}"[:500]

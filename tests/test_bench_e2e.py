@@ -122,3 +122,21 @@ def test_floor_bytes_hand_computed():
   assert dus["draft"] == gamma * (dw + dkv * 512 * b)
   assert dus["verify"] == tw + tkv * (budget + gamma + 1) * b
   assert dus["estimate"] == 2 * b * ctx * (3 * 64 + 2 * 128)
+
+
+def test_floor_time_at_the_devices_copy_bandwidth():
+  """floor_ms = the floor's bytes at the device's copy bandwidth; its share
+  of the step is taken over GPU time where measured; unknown devices get none."""
+  from dustin_jax.benchmarking import COPY_TBS, floor_time
+  tbs = COPY_TBS["NVIDIA H200"]
+  rec = dict(device="NVIDIA H200", floor_bytes={"draft": 1e9, "verify": 3e9}, step_ms=2.0,
+             gpu_ms=1.6)
+  floor_time(rec)
+  assert rec["floor_ms"] == pytest.approx(4e9 / (tbs * 1e9))
+  assert rec["floor_share"] == pytest.approx(rec["floor_ms"] / 1.6)
+  rec = dict(device="NVIDIA H200", floor_bytes={"verify": 3e9}, step_ms=2.0, gpu_ms=None)
+  floor_time(rec)
+  assert rec["floor_share"] == pytest.approx(3e9 / (tbs * 1e9) / 2.0)
+  cpu = dict(device="cpu", floor_bytes={"verify": 3e9}, step_ms=2.0)
+  floor_time(cpu)
+  assert "floor_ms" not in cpu and "floor_share" not in cpu
