@@ -408,10 +408,10 @@ def save_plot(records, path):
     return
   # one line per (method, model, batch, gamma, layers): the points of the
   # latest run that measured it (no line mixes runs)
-  key = lambda r: (r["method"], r["model"], r["batch"], r["gamma"], r.get("target_layers"),
-                   bool(r.get("projected_from")))
-  latest = {key(r): r.get("run") or "" for r in sorted(ok, key=lambda r: r.get("run") or "")}
-  ok = [r for r in ok if (r.get("run") or "") == latest[key(r)]]
+  series = lambda r: (r["method"], r["model"], r["batch"], r["gamma"], r.get("target_layers"),
+                      bool(r.get("projected_from")))
+  latest = {series(r): r.get("run") or "" for r in sorted(ok, key=lambda r: r.get("run") or "")}
+  ok = [r for r in ok if (r.get("run") or "") == latest[series(r)]]
   models = sorted({r["model"] for r in ok})
   fig, axes = plt.subplots(1, len(models), figsize=(10 * len(models), 5.5), squeeze=False)
   for ax, m in zip(axes[0], models):
