@@ -147,3 +147,24 @@ def test_taps_return_queries_of_requested_layers(tiny_llama, rng):
   _, _, taps = run(model, rng.integers(0, 97, size=(1, 3)), cache, tap_layers=(0, 2))
   assert sorted(taps) == [0, 2]
   assert taps[2].shape == (1, 3, model.cfg.num_heads, model.cfg.head_dim)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_bf16_is_the_f32_product_rounded_once(bias):
+  """A bf16 projection returns bf16 (no f32 result for XLA to convert), with
+  the sum accumulated in f32: the f32 product (+ bias) rounded to bf16."""
+  import jax
+  from flax import nnx
+  from dustin_jax.models.decoder import Linear
+  lin = Linear(256, 48, bias=bias, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+  if bias:
+    lin.bias[...] = jax.random.normal(jax.random.key(2), (48,), jnp.bfloat16)
+  x = jax.random.normal(jax.random.key(1), (16, 256), jnp.bfloat16)
+  got = lin(x)
+  assert got.dtype == jnp.bfloat16
+  want = x.astype(jnp.float32) @ lin.kernel[...].astype(jnp.float32)
+  if bias:
+    want = want + lin.bias[...].astype(jnp.float32)
+  # within a bf16 ulp of the f32 result (a GEMM may sum in another order);
+  # summing in bf16 over K = 256 is off by ~200 of these
+  np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want), rtol=2**-7, atol=1e-6)
