@@ -267,7 +267,6 @@ def prefill_base(pair: Pair, prompts: Sequence[Sequence[int]], max_len: int, *,
                       for k, v in zip(c.k, c.v)])      # [L, 2, B, Hkv, rows, D]
       tmp = f"{path}.{name}.tmp.npy"
       np.save(tmp, arr)
-      import os
       os.replace(tmp, f"{path}.{name}.npy")
       del arr
   return Base(tc, dc, [list(p) for p in prompts], max_len, time.perf_counter() - t0)
