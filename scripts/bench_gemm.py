@@ -9,8 +9,8 @@ the verify's merged q/k/v at ~35%; this measures them one by one.
 
 Times, in one process: each projection of a benchmark pair
 (`configs.shapes.PAIRS`; `--ways` > 1: one tensor-parallel shard) at each row
-count, as the model computes it (`x @ w`, bf16 in, f32 accumulation, bf16
-out; the bias and activation epilogues XLA fuses in the model are left out)
+count, as one product (`plain_dot`: bf16 in, f32 accumulation, cast to bf16;
+the bias and activation epilogues XLA fuses in the model are left out)
 and with K split by hand (`split_k_dot`: S partial products summed in f32:
 S times more thread blocks for the narrow outputs; checked against the dot,
 `max_abs_err`), against a jnp copy's
@@ -59,7 +59,9 @@ def split_k_dot(x, w, splits: int):
 
 
 def plain_dot(x, w):
-  """As `Linear` computes it (dustin_jax/models/decoder.py)."""
+  """The f32 product cast to bf16: how `Linear` computed every projection
+  when results/h200/gemm.json was measured (bias-free projections now ask
+  the GEMM for bf16 directly, dustin_jax/models/decoder.py)."""
   import jax.numpy as jnp
   return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
 
