@@ -176,7 +176,8 @@ def floor_bytes(method, tcfg, dcfg, batch, context, gamma, budget, policy, ways=
     return c.kv_bytes_per_token(2) * rows * batch
   if method.startswith("vanilla"):
     return {"verify": (weights(tcfg) + kv(tcfg, context)) // ways}
-  streaming = SpecConfig().draft_sink + SpecConfig().draft_window  # the benchmarks' draft cache
+  defaults = SpecConfig()  # the benchmarks' streaming draft cache: sink + window rows
+  streaming = defaults.draft_sink + defaults.draft_window
   draft_rows = context if method == "sd_full" else min(context, streaming)
   out = {"draft": gamma * (weights(dcfg) + kv(dcfg, draft_rows))}
   rows = context if method.startswith("sd_") else budget
