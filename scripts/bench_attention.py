@@ -37,7 +37,7 @@ import statistics
 import time
 import traceback
 
-from dustin_jax.benchmarking import load_trace_events, parse_device_times
+from scripts.benchmarking import load_trace_events, parse_device_times
 
 from absl import app
 from absl import flags

@@ -19,7 +19,7 @@ loops of dustin_jax run: steps queued back to back with the host one step
 ahead, then `block_until_ready`, divided by the steps. Also recorded:
 `step_sync_ms` (each step waited for: + the host's dispatch) and `gpu_ms`
 (GPU kernel time per step from a profiler trace). Per-phase times come from
-the phases jitted apart (`dustin_jax.spec.phases`), in GPU kernel time.
+the fused step's phases (its named scopes) in GPU kernel time, from a profiler trace.
 
 Caches are filled with random values up to the context length; lengths
 start at the context and grow by the committed tokens. All methods of one
@@ -40,7 +40,8 @@ import time
 from absl import app
 from absl import flags
 
-from dustin_jax.benchmarking import (floor_bytes, floor_time, fresh_decode_state, random_model,
+from scripts.benchmarking import (floor_bytes, floor_time, fresh_decode_state, phase_device_ms,
+                                    random_model,
                                     spec_state_at)
 
 flags.DEFINE_string("out_dir", "results/h200", "where e2e.json and e2e.png go")
@@ -93,7 +94,7 @@ def _time_loop(step, carry, repeats):
   step_sync_ms: median of steps each waited for, host dispatch included;
   gpu_ms: GPU kernel time per step, None without a GPU}, carry)."""
   import jax
-  from dustin_jax.benchmarking import DeviceTimer, median
+  from scripts.benchmarking import DeviceTimer, median
   for _ in range(2):
     carry, out = step(carry)
     jax.block_until_ready(out)
@@ -122,24 +123,20 @@ def bench_vanilla(target, cache, context, impl, repeats, mesh=None):
   """Times of the vanilla step (see `_time_loop`) and the cache. The cache
   lengths start at `context` and grow by one per step."""
   import jax.numpy as jnp
-  from dustin_jax.generate import bind_vanilla_step
+  from dustin_jax.vanilla import VanillaState, bind_vanilla_step
   b = cache.batch
   step = bind_vanilla_step(target, impl=impl, mesh=mesh)
-  ds0 = fresh_decode_state(b, mesh)
-  def run(carry):
-    c, ds, out, n = step(*carry)
-    return (c, ds), out
-  start = (cache.with_lengths(jnp.full((b,), context, jnp.int32)), ds0)
-  times, (cache, _) = _time_loop(run, start, repeats)
-  return times, cache
+  start = VanillaState(cache.with_lengths(jnp.full((b,), context, jnp.int32)),
+                       fresh_decode_state(b, mesh))
+  times, st = _time_loop(step, start, repeats)
+  return times, st.cache
 
 
 def bench_spec(target, draft, tcache, dcache, context, cfg, repeats, phases=True):
   """(step times (see `_time_loop`), phase times or None, temp bytes of the
   compiled step, caches). Lengths start at `context` and grow as tokens are
   committed; the per-phase timing resets them to `context` every step."""
-  from dustin_jax.spec.phases import estimation_ms, time_phases_donated
-  from dustin_jax.spec.step import SpecState, bind_spec_step
+  from dustin_jax.speculative.step import SpecState, bind_spec_step
   st = spec_state_at(tcache, dcache, context, cfg.policy, cfg.mesh)
   full = st.target.lengths.copy()  # the step donates the state: kept for the resets
   step = bind_spec_step(target, draft, cfg)
@@ -151,13 +148,7 @@ def bench_spec(target, draft, tcache, dcache, context, cfg, repeats, phases=True
   def reset(s):  # the step donates its whole state: hand it a fresh decode state
     return SpecState(s.target.with_lengths(full.copy()), s.draft.with_lengths(full.copy()),
                      fresh_decode_state(tcache.batch, cfg.mesh), s.signals)
-  wall, dev, st = time_phases_donated(target, draft, reset(st), cfg, repeats, reset)
-  ph = dict(dev or wall, basis="device" if dev else "wall",
-            wall={k: round(v, 4) for k, v in wall.items()})
-  if cfg.policy.draft_tap_layers or cfg.policy.target_tap_layers:
-    # the scorings run inside draft and verify; this times them on their own
-    est_wall, est_dev = estimation_ms(target, draft, st, cfg, repeats)
-    ph["estimate_isolated"] = est_dev if est_dev is not None else est_wall
+  ph, st = phase_device_ms(step, reset(st), repeats, reset)
   return times, ph, temp, st.target, st.draft
 
 
@@ -264,9 +255,9 @@ def main(argv):
   jax.config.update("jax_compilation_cache_dir", FLAGS.compile_cache_dir)
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
   from dustin_jax import sharding
-  from dustin_jax.cache import random_cache
+  from scripts.benchmarking import random_cache
   from dustin_jax.config import ModelConfig
-  from dustin_jax.spec.step import SpecConfig
+  from dustin_jax.speculative.step import SpecConfig
 
   t_start = time.perf_counter()
   os.makedirs(FLAGS.out_dir, exist_ok=True)

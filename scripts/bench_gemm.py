@@ -16,7 +16,7 @@ S times more thread blocks for the narrow outputs; checked against the dot,
 `max_abs_err`), against a jnp copy's
 bandwidth measured in the same run. Each timed jit holds enough distinct
 weight copies to overflow the L2 cache, as a model's layers do. GPU time
-from the profiler trace (`dustin_jax.benchmarking.DeviceTimer`), else wall
+from the profiler trace (`scripts.benchmarking.DeviceTimer`), else wall
 time. Writes gemm.json (records) and gemm.png.
 
   python -m scripts.bench_gemm --out_dir=results/h200
@@ -34,7 +34,7 @@ import time
 from absl import app
 from absl import flags
 
-from dustin_jax.benchmarking import DeviceTimer
+from scripts.benchmarking import DeviceTimer
 
 flags.DEFINE_string("out_dir", "results/h200", "where gemm.json and gemm.png go")
 flags.DEFINE_list("models", ["qwen7b"], "benchmark pairs (configs.shapes.PAIRS)")

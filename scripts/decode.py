@@ -5,14 +5,23 @@ r"""Decode text (or random prompts) with speculative or plain decoding.
       --config.dustin.policy=dustin --config.output_json=/tmp/out.json
 
 Prints the generated text of every sequence and a stats block (tokens/s,
-mean accepted length tau, acceptance rate, time per phase);
-`--config.output_json` writes the same as JSON with the token ids and text of
-every sequence under `sequences`.
+mean accepted length tau, acceptance rate; with `--config.time_phases` the
+GPU time per phase of the fused step); `--config.output_json` writes the
+same as JSON with the token ids and text of every sequence under
+`sequences`.
+
+A problem with the config or the inputs (a bad value, a missing or
+malformed file, a checkpoint that does not match, a prompt that does not
+fit) is found before any weight is loaded where it can be, and is reported
+as one `error: ...` line naming the input and the fix, with exit status 1.
 """
 
+import contextlib
 import json
+import logging
 import os
 import sys
+import tempfile
 import time
 
 from absl import app
@@ -27,9 +36,9 @@ flags.mark_flags_as_required(["config"])
 def run(c) -> dict:
   import jax
   from dustin_jax import run as runlib
-  from dustin_jax.generate import generate
-  from dustin_jax.spec.engine import generate_speculative, init_state
-  from dustin_jax.spec.phases import time_phases_donated
+  from dustin_jax.speculative.engine import generate_speculative, init_state
+  from dustin_jax.speculative.step import bind_spec_step
+  from dustin_jax.vanilla import generate
 
   t0 = time.perf_counter()
   b = runlib.build(c)
@@ -44,10 +53,10 @@ def run(c) -> dict:
     seqs, stats = generate_speculative(target, draft, b["prompts"], cfg=spec, **common)
   phases = None
   if c.time_phases and c.method == "speculative":
+    from scripts.benchmarking import phase_device_ms
     st = init_state(target, draft, b["prompts"], cfg=spec, max_new_tokens=c.max_new_tokens,
                     max_len=c.max_len, seed=c.seed, chunk=c.prefill_chunk)
-    wall, device, _ = time_phases_donated(target, draft, st, spec, repeats=3)
-    phases = device or wall  # GPU kernel time where the profiler sees a device
+    phases, _ = phase_device_ms(bind_spec_step(target, draft, spec), st, steps=3)
   result = {
       "method": c.method, "policy": c.dustin.policy if c.method == "speculative" else None,
       "gamma": c.gamma if c.method == "speculative" else None,
@@ -55,7 +64,7 @@ def run(c) -> dict:
       "mesh": dict(b["mesh"].shape),
       "memory_plan_bytes": {k: getattr(b["memory_plan"], k) for k in
                             ("weights", "target_cache", "draft_cache", "workspace", "total")},
-      "stats": stats.as_dict(), "phase_ms": phases,
+      "stats": stats.as_dict(), "time_phases": bool(c.time_phases), "phase_ms": phases,
       "sequences": [{"tokens": s, "text": tok.decode(s, skip_special_tokens=True) if tok else None}
                     for s in seqs],
   }
@@ -75,38 +84,141 @@ def print_result(r) -> None:
   print(f"tokens/s {st['tokens_per_s']:.2f}  tau {st['tau']:.2f}  "
         f"acceptance rate {st['acceptance_rate']:.2f}")
   if r["phase_ms"]:
-    print("time per phase (ms): " + "  ".join(f"{k} {v:.1f}" for k, v in r["phase_ms"].items()))
+    print("GPU time per phase (ms): "
+          + "  ".join(f"{k} {v:.2f}" for k, v in r["phase_ms"].items()))
+  elif r.get("time_phases") and r["policy"]:
+    print("time per phase: none measured (it is GPU kernel time from a profiler trace, and "
+          f"{r['device']} shows no device kernels)")
+
+
+def check_output(path: str) -> None:
+  """Create the directory of `path` and prove it writable, before any work:
+  a run never ends with results it cannot write."""
+  from dustin_jax.config import ConfigError
+  full = os.path.abspath(path)
+  if os.path.isdir(full):
+    raise ConfigError(f"output_json {path!r} is a directory: give a file name, e.g. "
+                      f"{os.path.join(path, 'out.json')!r}")
+  parent = os.path.dirname(full)
+  existing = parent
+  while not os.path.exists(existing):
+    existing = os.path.dirname(existing)
+  if not os.path.isdir(existing):
+    raise ConfigError(f"output_json {path!r}: {existing!r} is a file, not a directory: choose "
+                      "another path")
+  try:
+    os.makedirs(parent, exist_ok=True)
+    fd, probe = tempfile.mkstemp(dir=parent, prefix=".decode-probe-")
+    os.close(fd)
+    os.remove(probe)
+  except OSError as e:
+    raise ConfigError(f"output_json {path!r}: cannot write in {parent!r} ({e.strerror}): choose "
+                      "a writable directory") from None
+
+
+def write_json(path: str, obj) -> None:
+  """Write `obj` to `path` atomically: a temporary file in the same
+  directory, renamed over `path` once complete."""
+  parent = os.path.dirname(os.path.abspath(path))
+  fd, tmp = tempfile.mkstemp(dir=parent, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
+  try:
+    with os.fdopen(fd, "w") as f:
+      json.dump(obj, f, indent=1)
+      f.flush()
+      os.fsync(f.fileno())
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)  # as open() would have made it, not mkstemp's 0600
+    os.replace(tmp, path)
+  except BaseException:
+    with contextlib.suppress(OSError):
+      os.remove(tmp)
+    raise
+
+
+def _fail(msg: str) -> None:
+  sys.exit("error: " + " ".join(str(msg).split("\n")))
 
 
 def main(argv):
   del argv
-  from dustin_jax.config import ConfigError, append_xla_flags
-  from dustin_jax.generate import InputError
+  # JAX logs each backend it fails to find (no TPU here) at INFO: noise
+  # beside a one-line error
+  logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
+  from dustin_jax.config import append_xla_flags
+  from dustin_jax.run import USER_ERRORS
   c = _CONFIG.value
   append_xla_flags(c.xla_flags)  # nothing has started the backend yet
   if c.mem_fraction:
     if not 0 < c.mem_fraction <= 1:
-      sys.exit(f"error: mem_fraction={c.mem_fraction} must be in (0, 1]")
+      _fail(f"mem_fraction={c.mem_fraction} must be in (0, 1]")
     os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] = str(c.mem_fraction)
   try:
+    if c.output_json:
+      check_output(c.output_json)
     r = run(c)
-  except (ConfigError, InputError, ValueError) as e:
-    sys.exit(f"error: {e}")
+  except USER_ERRORS as e:
+    _fail(e)
   print_result(r)
   if c.output_json:
-    with open(c.output_json, "w") as f:
-      json.dump(r, f, indent=1)
+    try:
+      write_json(c.output_json, r)
+    except OSError as e:
+      _fail(f"cannot write output_json {c.output_json!r}: {e.strerror or e}")
     print(f"wrote {c.output_json}")
 
 
+def _config_path(argv) -> str:
+  """The --config file named in `argv` (without a `:arg`), read from argv
+  itself: the flag holds no value when its file failed to load."""
+  path = "?"
+  for i, a in enumerate(argv):
+    if a.startswith(("--config=", "-config=")):
+      path = a.split("=", 1)[1]
+    elif a in ("--config", "-config") and i + 1 < len(argv):
+      path = argv[i + 1]
+  return path.split(":", 1)[0]
+
+
+def _config_file_problem(e: Exception, argv) -> str:
+  """The one-line reason why the --config file could not be loaded."""
+  path = _config_path(argv)
+  if not os.path.exists(path):
+    return f"--config file {path!r} does not exist"
+  if os.path.isdir(path):
+    return f"--config file {path!r} is a directory: give a config .py file"
+  return f"--config file {path!r} cannot be loaded: {str(e).splitlines()[0]}"
+
+
 def parse_flags(argv):
-  """absl flag parsing, with config errors (unknown key, bad value) as one
-  line instead of a traceback."""
+  """absl flag parsing, with each config problem (a missing or broken
+  config file, an unknown key, a bad value, a stray argument) as one line
+  instead of a traceback."""
   try:
-    return flags.FLAGS(argv)
+    rest = flags.FLAGS(argv)
+    _CONFIG.value.get("method")  # a config file that failed to load raises here
+  except SyntaxError as e:
+    _fail(f"--config file {e.filename!r} line {e.lineno}: {e.msg}")
+  except OSError as e:
+    _fail(_config_file_problem(e, argv))
   except (AttributeError, KeyError, TypeError, ValueError, flags.Error) as e:
-    msg = str(e).strip("'\"").replace("\\n", " ").replace("\n", " ").replace("\\'", "'")
-    sys.exit(f"error: bad --config override: {msg}")
+    text = str(e)
+    path = _config_path(argv)
+    if path != "?" and not os.path.isfile(path):  # its overrides are unknown flags then
+      _fail(_config_file_problem(e, argv))
+    if "Error whilst parsing config file" in text:  # get_config() itself raised
+      _fail(f"--config file {_config_path(argv)!r}: get_config() raised "
+            f"{text.strip().splitlines()[-1]}")
+    if "has no attribute 'get_config'" in text:
+      _fail(f"--config file {_config_path(argv)!r} defines no get_config()")
+    msg = text.strip("'\"").replace("\\n", " ").replace("\n", " ").replace("\\'", "'")
+    if "--config=None" in msg:
+      _fail("--config is required, e.g. --config=configs/tiny.py" if path == "?" else
+            f"--config file {path!r}: get_config() returned nothing")
+    _fail(f"bad --config override: {msg}")
+  if len(rest) > 1:
+    _fail(f"unexpected argument {rest[1]!r}: settings are flags, e.g. --config.prompt='...'")
+  return rest
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ r"""Long-context evaluation of the selection policies on a target/draft pair.
 Per context, ONE prefill per batch of prompts; every policy and budget then
 starts from a copy of the caches. Decoding is greedy speculative decoding
 (gamma = 4 unless --gamma), the target verifying against each policy's
-I_verify (`selection.arr.arr_step(verify="sparse")`, so the ARR of the set
+I_verify (the step with `StepOptions(measure_arr=True)`, so the ARR of the set
 the policy actually used is measured at every step against the target's
 full attention at the same verify queries).
 
@@ -214,84 +214,35 @@ def main(argv):
 
 
 # ------------------------------------------------------- sparse perplexity
-def _tf_block_fn(t_graphdef, t_params, d_graphdef, d_params, st, real, cfg):
-  """One teacher-forced block: `real[B, gamma+1]` are the true next tokens.
-
-  Exactly the speculative step with the draft's guesses replaced by the real
-  tokens: the draft runs over [prev, pending, real_1 .. real_{gamma-1}] (its
-  lookahead queries are those predicting real_1 .. real_gamma, fed to the
-  policy in one `observe_draft` call, as in the step), the policy selects
-  I_verify, the target verifies [pending, real_1 .. real_gamma] attending
-  to I_verify plus the block
-  (`step.verify_phase`), and its logits score real_1 .. real_{gamma+1}. The
-  whole block is committed (pending <- real_{gamma+1}). The Oracle gets its
-  full-cache pass first, as in `arr_step`. Returns (state, nll f32[B, gamma+1],
-  the target's argmax int32[B, gamma+1])."""
-  import dataclasses as dc
-  import jax
-  import jax.numpy as jnp
-  from flax import nnx
-  from dustin_jax.spec.step import SpecState, verify_phase
-  policy, ds = cfg.policy, st.decode
-  gamma = cfg.gamma
-  base = st.target.lengths
-  draft = nnx.merge(d_graphdef, d_params)
-  dtoks = jnp.concatenate([ds.prev[:, None], ds.pending[:, None], real[:, :gamma - 1]], 1)
-  _, dcache, taps = draft(dtoks, st.draft.with_lengths(base - 1),
-                          tap_layers=policy.draft_tap_layers, impl=cfg.impl)
-  taps = {l: q[:, 1:] for l, q in taps.items()}
-  signals = policy.observe_draft(st.signals, taps, dcache.with_lengths(base))
-  drafts = real[:, :gamma]
-  if hasattr(policy, "observe_full_verify"):
-    target = nnx.merge(t_graphdef, t_params)
-    block = jnp.concatenate([ds.pending[:, None], drafts], 1)
-    _, full, ftaps = target(block, st.target, tap_layers=policy.full_verify_tap_layers,
-                            impl=cfg.impl)
-    signals = policy.observe_full_verify(signals, ftaps, full, gamma)
-  kv = policy.select(signals, st.target, gamma)
-  logits, tcache, signals = verify_phase(t_graphdef, t_params, st.target, ds, drafts, kv,
-                                         signals, cfg)
-  logp = jax.nn.log_softmax(logits.astype(jnp.float32), -1)
-  nll = -jnp.take_along_axis(logp, real[:, :, None], -1)[..., 0]
-  n = jnp.full_like(base, gamma + 1)
-  ds = dc.replace(ds, pending=real[:, gamma], prev=real[:, gamma - 1])
-  best = jnp.argmax(logits, -1).astype(jnp.int32)
-  return SpecState(tcache.commit(n), dcache.with_lengths(base + n), ds, signals), nll, best
-
-
 def sparse_ppl(pair, base, policy, refs, gamma, return_top1=False):
   """Teacher-forced perplexity of `refs[b]` (the real continuation of each
   prompt) when every block of gamma+1 tokens is verified with the policy's
-  I_verify (see `_tf_block_fn`). Returns (ppl, n tokens) and, with
-  `return_top1`, the target's argmax at every scored position (per sequence)."""
-  import jax
-  import jax.numpy as jnp
+  I_verify: the speculative step with `StepOptions(teacher_forced=True)`
+  (the draft's guesses replaced by the real tokens; the whole block
+  committed). Returns (ppl, n tokens) and, with `return_top1`, the target's
+  argmax at every scored position (per sequence)."""
   import numpy as np
+  from dustin_jax.decoding import DecodeStats
+  from dustin_jax.loop import decode_loop
   from dustin_jax.profiling.runtime import fresh_state
-  from dustin_jax.spec.step import SpecConfig
-  fn = _TF_CACHE.setdefault("fn", jax.jit(_tf_block_fn, static_argnames=(
-      "t_graphdef", "d_graphdef", "cfg"), donate_argnames=("st",)))
+  from dustin_jax.speculative.step import SpecConfig, StepOptions, bind_spec_step
   cfg = SpecConfig(gamma=gamma, policy=policy)
   n_blocks = min(len(r) for r in refs) // (gamma + 1)
-  st = fresh_state(base, policy, 1)
-  t, d = pair.target, pair.draft
-  total, count, top1 = 0.0, 0, []
-  for i in range(n_blocks):
-    real = jnp.asarray(np.asarray([r[i * (gamma + 1):(i + 1) * (gamma + 1)] for r in refs],
-                                  np.int32))
-    st, nll, best = fn(t.graphdef, t.state, d.graphdef, d.state, st, real, cfg=cfg)
-    nll, best = jax.device_get((nll, best))
-    total += float(np.asarray(nll).sum())
-    count += np.asarray(nll).size
-    top1.append(np.asarray(best))
-  del st
+  blocks = [np.asarray([r[i * (gamma + 1):(i + 1) * (gamma + 1)] for r in refs], np.int32)
+            for i in range(n_blocks)]
+  nll, top1 = [], []
+  def on_output(out):
+    nll.append(np.asarray(out.nll))
+    top1.append(np.asarray(out.target_top1))
+  step = bind_spec_step(pair.target, pair.draft, cfg, StepOptions(teacher_forced=True))
+  decode_loop(step, fresh_state(base, policy, n_blocks * (gamma + 1)), DecodeStats(gamma=gamma),
+              inputs=blocks, on_output=on_output)
+  total = float(sum(x.sum() for x in nll))
+  count = sum(x.size for x in nll)
   top1 = np.concatenate(top1, axis=1).tolist() if top1 else [[] for _ in refs]
   if return_top1:
     return float(np.exp(total / max(count, 1))), count, top1
   return float(np.exp(total / max(count, 1))), count
-
-
-_TF_CACHE = {}
 
 
 # ------------------------------------------------------------ main evaluation
@@ -597,7 +548,7 @@ def extra_sections(out_dir) -> list[str]:
               f"{srh.get('runtime_s')} s. Plot: `srh_profile.png`.", ""]
   lines += ["## How the numbers are made", "",
             "* One prefill per batch of prompts (cached on disk); every policy starts from a "
-            "copy of the caches. Decoding runs `selection.arr.arr_step(verify=\"sparse\")`: "
+            "copy of the caches. Decoding runs the step with ARR measured (`StepOptions(measure_arr=True)`): "
             "the policy's own sparse verification, plus a full-cache target pass that measures "
             "ARR (and in which the Oracle selects).",
             "* Sparse perplexity: the real continuation is scored teacher-forced in blocks of "

@@ -99,7 +99,7 @@ def test_floor_bytes_hand_computed():
   """Bytes one device must move per step, against hand-computed sums."""
   import types
   from configs import shapes
-  from dustin_jax.benchmarking import floor_bytes
+  from scripts.benchmarking import floor_bytes
   from dustin_jax.config import ModelConfig
   t = ModelConfig.from_hf(dict(shapes.QWEN25_7B))
   d = ModelConfig.from_hf(dict(shapes.QWEN25_05B))
@@ -127,7 +127,7 @@ def test_floor_bytes_hand_computed():
 def test_floor_time_at_the_devices_copy_bandwidth():
   """floor_ms = the floor's bytes at the device's copy bandwidth; its share
   of the step is taken over GPU time where measured; unknown devices get none."""
-  from dustin_jax.benchmarking import COPY_TBS, floor_time
+  from scripts.benchmarking import COPY_TBS, floor_time
   tbs = COPY_TBS["NVIDIA H200"]
   rec = dict(device="NVIDIA H200", floor_bytes={"draft": 1e9, "verify": 3e9}, step_ms=2.0,
              gpu_ms=1.6)

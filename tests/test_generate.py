@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 import torch
 
-from dustin_jax.generate import DecodeState, InputError, Model, emit, generate
+from dustin_jax.decoding import DecodeState, InputError, Model, emit
+from dustin_jax.vanilla import generate
 from dustin_jax.sampling import SamplingConfig
 from dustin_jax.weights import load_hf_checkpoint
 
@@ -55,7 +56,7 @@ def test_sampling_config_rejects_bad_values():
 
 def test_bound_step_compiles_once_and_binds_its_params(tiny_llama, rng):
   import jax
-  from dustin_jax.generate import bind_vanilla_step
+  from dustin_jax.vanilla import bind_vanilla_step
   model = Model(*load_hf_checkpoint(tiny_llama[0], dtype="float32"))
   prompts = [rng.integers(0, 97, size=n).tolist() for n in (5, 8)]
   step = bind_vanilla_step(model, sampling=SamplingConfig())

@@ -7,7 +7,7 @@ import torch
 
 from conftest import save_tiny_checkpoint
 from dustin_jax.cache import KVCache
-from dustin_jax.generate import Model
+from dustin_jax.decoding import Model
 from dustin_jax.weights import load_hf_checkpoint
 
 

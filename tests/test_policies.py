@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 
 from conftest import save_tiny_checkpoint
-from dustin_jax.generate import Model
-from dustin_jax.selection.arr import arr_step, evaluate_arr
+from dustin_jax.decoding import Model
+from dustin_jax.profiling.runtime import evaluate_arr
 from dustin_jax.selection.policies import make_policy
-from dustin_jax.spec.engine import generate_speculative
-from dustin_jax.spec.step import SpecConfig, bind_spec_step
+from dustin_jax.speculative.engine import generate_speculative
+from dustin_jax.speculative.step import SpecConfig, StepOptions, bind_spec_step
 from dustin_jax.weights import load_hf_checkpoint
 from test_spec import noisy_copy
 
@@ -68,15 +68,27 @@ def test_budget_covering_the_context_is_lossless_and_compiles_once(pair, prompts
   assert stats.steps >= 3 and bind_spec_step(target, draft, cfg).compiled_count() == before + 1
 
 
-def test_oracle_in_the_arr_step_is_lossless_at_full_budget(pair, prompts, reference):
+def test_oracle_with_arr_measured_is_lossless_at_full_budget(pair, prompts, reference):
   target, draft = pair
   cfg = SpecConfig(gamma=GAMMA, policy=policy("oracle", pair, budget=MAX_LEN))
-  before = arr_step._cache_size()
+  options = StepOptions(verify="sparse", measure_arr=True)
+  before = bind_spec_step(target, draft, cfg, options).compiled_count()
   out, stats, arr = evaluate_arr(target, draft, prompts, max_new_tokens=NEW, max_len=MAX_LEN,
                                  cfg=cfg, verify="sparse")
   assert out == reference
-  assert stats.steps >= 3 and arr_step._cache_size() == before + 1
+  assert stats.steps >= 3
+  assert bind_spec_step(target, draft, cfg, options).compiled_count() == before + 1
   np.testing.assert_allclose(arr.per_step, 1.0, rtol=1e-5)
+
+
+def test_oracle_runs_in_the_plain_step(pair, prompts, reference):
+  """The oracle's full-cache pass comes from its `needs_full_verify`: the
+  deployed step runs it without any option."""
+  target, draft = pair
+  cfg = SpecConfig(gamma=GAMMA, policy=policy("oracle", pair, budget=MAX_LEN))
+  out, stats = generate_speculative(target, draft, prompts, max_new_tokens=NEW,
+                                    max_len=MAX_LEN, cfg=cfg)
+  assert out == reference and stats.steps >= 3
 
 
 def test_oracle_arr_bounds_every_policy_at_the_same_budget(pair, prompts, reference):

@@ -122,7 +122,7 @@ def test_collected_search_arr_equals_the_arr_step_measurement(tmp_path):
   from dustin_jax.profiling.runtime import load_pair
   from dustin_jax.selection.arr import evaluate_arr
   from dustin_jax.selection.policies import make_policy
-  from dustin_jax.spec.step import SpecConfig
+  from dustin_jax.speculative.step import SpecConfig
   pair = load_pair("tiny")
   rng = np.random.default_rng(0)
   prompt = rng.integers(3, 259, size=60).tolist()

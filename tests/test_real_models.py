@@ -1,11 +1,12 @@
-"""Real pretrained checkpoints from the offline assets (EVAL_ASSETS.md)."""
+"""Real pretrained checkpoints from the offline assets (`dustin_jax.assets`)."""
 
 import importlib.metadata
 
 import pytest
 import torch
 
-from dustin_jax.generate import Model, generate
+from dustin_jax.decoding import Model
+from dustin_jax.vanilla import generate
 
 
 def _installed(dist):
@@ -65,8 +66,8 @@ def qwen_pair():
 @pytest.mark.slow
 def test_real_pair_greedy_speculative_equals_vanilla(qwen_pair):
   from dustin_jax.eval.texts import read_text
-  from dustin_jax.spec.engine import generate_speculative
-  from dustin_jax.spec.step import SpecConfig
+  from dustin_jax.speculative.engine import generate_speculative
+  from dustin_jax.speculative.step import SpecConfig
   target, draft, tok = qwen_pair
   text = read_text("python-stdlib", progress=False)
   prompts = [tok(text[:1500])["input_ids"], tok("def fibonacci(n):")["input_ids"]]  # ragged
@@ -86,8 +87,8 @@ def test_real_pair_policies_full_budget_lossless_and_oracle_bounds_arr(qwen_pair
   from dustin_jax.eval.texts import read_text
   from dustin_jax.selection.arr import evaluate_arr
   from dustin_jax.selection.policies import policy_from_config
-  from dustin_jax.spec.engine import generate_speculative
-  from dustin_jax.spec.step import SpecConfig
+  from dustin_jax.speculative.engine import generate_speculative
+  from dustin_jax.speculative.step import SpecConfig
   target, draft, tok = qwen_pair
   text = read_text("python-stdlib", progress=False)
   prompts = [tok(text[20000:23000])["input_ids"][:700], tok(text[90000:92000])["input_ids"][:500]]

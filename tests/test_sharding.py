@@ -4,11 +4,12 @@ import jax
 import pytest
 
 from conftest import save_tiny_checkpoint
-from dustin_jax import sharding
+from dustin_jax import sharding, weights
 from dustin_jax.config import ConfigError, ModelConfig
-from dustin_jax.generate import Model, generate
-from dustin_jax.spec.engine import generate_speculative
-from dustin_jax.spec.step import SpecConfig
+from dustin_jax.decoding import Model
+from dustin_jax.vanilla import generate
+from dustin_jax.speculative.engine import generate_speculative
+from dustin_jax.speculative.step import SpecConfig
 from dustin_jax.weights import load_hf_checkpoint
 
 pytestmark = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 (simulated) devices")
@@ -27,7 +28,7 @@ def models(tmp_path_factory):
 
 
 def shard(model: Model, mesh) -> Model:
-  return Model(*sharding.place_model(model.cfg, model.graphdef, model.state, mesh))
+  return Model(*weights.place_model(model.cfg, model.graphdef, model.state, mesh))
 
 
 @pytest.mark.parametrize("policy", ["full", "dustin"])
@@ -59,7 +60,7 @@ def test_the_draft_runs_whole_on_every_device(models, rng, monkeypatch):
   cache write (a scatter) crosses devices either way."""
   import re
   from dustin_jax.spec import engine, step as step_mod
-  from dustin_jax.spec.step import bind_spec_step
+  from dustin_jax.speculative.step import bind_spec_step
   target, draft = models
   prompts = [rng.integers(0, 96, size=n).tolist() for n in (9, 14)]
   mesh = sharding.make_mesh(2, 4)
@@ -97,12 +98,11 @@ def test_sharded_vanilla_equals_unsharded(models, rng):
 
 def test_replicated_kv_heads_keep_the_function(models, rng):
   target, _ = models
-  cfg, state = sharding.replicate_kv_heads(target.cfg, target.state, 4)
+  cfg, state = weights.replicate_kv_heads(target.cfg, target.state, 4)
   assert cfg.num_kv_heads == 8
-  from dustin_jax.weights import abstract_model
   prompts = [rng.integers(0, 96, size=7).tolist()]
   a, _ = generate(target, prompts, max_new_tokens=5, max_len=16)
-  b, _ = generate(Model(cfg, abstract_model(cfg)[0], state), prompts, max_new_tokens=5, max_len=16)
+  b, _ = generate(Model(cfg, weights.abstract_model(cfg)[0], state), prompts, max_new_tokens=5, max_len=16)
   assert a == b
 
 

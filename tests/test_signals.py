@@ -204,7 +204,8 @@ def test_arr_and_oracle_optimality():
 
 def test_oracle_indices_and_arr_of_step_outside_a_step(tmp_path):
   from conftest import save_tiny_checkpoint
-  from dustin_jax.generate import Model, prefill
+  from dustin_jax.decoding import Model
+  from dustin_jax.prefill import prefill
   from dustin_jax.selection.arr import arr_of_step, oracle_indices
   from dustin_jax.weights import load_hf_checkpoint
   save_tiny_checkpoint(tmp_path, "llama", seed=3, num_hidden_layers=2)

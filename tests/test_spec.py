@@ -10,10 +10,11 @@ import pytest
 
 from conftest import save_tiny_checkpoint
 from dustin_jax.cache import KVCache
-from dustin_jax.generate import InputError, Model, generate
+from dustin_jax.decoding import InputError, Model
+from dustin_jax.vanilla import generate
 from dustin_jax.sampling import SamplingConfig, probs
-from dustin_jax.spec.engine import generate_speculative, init_state
-from dustin_jax.spec.step import SpecConfig, accept, spec_step
+from dustin_jax.speculative.engine import generate_speculative, init_state
+from dustin_jax.speculative.step import SpecConfig, accept, spec_step
 from dustin_jax.weights import load_hf_checkpoint
 
 
@@ -58,7 +59,7 @@ def test_bound_step_writes_its_outputs_in_place_and_hands_out_copies(pair, rng):
   copies that the next step does not touch."""
   import re
   from dustin_jax.selection.policies import policy_from_config
-  from dustin_jax.spec.step import bind_spec_step
+  from dustin_jax.speculative.step import bind_spec_step
   target, draft = pair
   policy = policy_from_config(dict(policy="dustin", budget=12, n_sink=2, n_window=4, m=3),
                               target.cfg, draft.cfg)
@@ -84,7 +85,7 @@ def test_bound_step_writes_its_outputs_in_place_and_hands_out_copies(pair, rng):
 
 
 def spec_step_fn_of(target, draft, cfg):
-  from dustin_jax.spec.step import spec_step_fn
+  from dustin_jax.speculative.step import spec_step_fn
   return lambda st: spec_step_fn(target.graphdef, target.state, draft.graphdef, draft.state, st,
                                  cfg)
 

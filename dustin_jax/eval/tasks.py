@@ -41,6 +41,8 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from dustin_jax.eval.texts import read_text
+
 TASKS = ("passkey", "needle", "multikey", "qa", "code")
 DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
 MAX_NEW = {"passkey": 8, "needle": 8, "multikey": 12, "qa": 10, "code": 24}
@@ -354,7 +356,6 @@ def build_task(task: str, tok, ctx: int, n: int, seed: int = 0, text: str | None
   if task not in BUILDERS:
     raise ValueError(f"unknown task {task!r}; choose one of {TASKS}")
   if text is None:
-    from dustin_jax.eval.texts import read_text
     text = read_text(DEFAULT_TEXT[task], progress=False)
   return BUILDERS[task](tok, text, ctx, n, seed)
 

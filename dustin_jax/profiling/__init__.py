@@ -1,4 +1,4 @@
-"""Offline SRH profiling (METHOD.md §4, Algorithm 1).
+"""Offline SRH profiling (Algorithm 1 of the paper).
 
 * `collect`: per verify step of real lossless speculative decoding on
   calibration text, the target's full attention (what ARR counts) and the

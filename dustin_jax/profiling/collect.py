@@ -1,4 +1,4 @@
-"""Calibration data for the offline SRH search (METHOD.md §4, Algorithm 1).
+"""Calibration data for the offline SRH search (Algorithm 1 of the paper).
 
 What the search needs to score ANY candidate head set offline, recorded per
 verify step of REAL speculative decoding on calibration text:
@@ -15,7 +15,7 @@ verify step of REAL speculative decoding on calibration text:
   step t (the target-historical signal), zero on the first step;
 * `lengths`: the committed length at selection time.
 
-The trajectory is the lossless one: `selection.arr.arr_step(verify="full")`
+The trajectory is the lossless one: the step with `StepOptions(verify="full")`
 with the `Recorder` policy below (it taps every layer of both models, never
 restricts the verification), greedy, so every candidate set is scored on the
 same states.
@@ -39,7 +39,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dustin_jax.profiling.runtime import prefill_base, run_policy
 from dustin_jax.selection.arr import layer_weights
+from dustin_jax.selection.base import PolicyDefaults
 from kernels.srh_scores.ops import srh_scores
 
 FORMAT_VERSION = 1
@@ -62,7 +64,7 @@ def per_head_scores(q: jax.Array, k: jax.Array, lengths: jax.Array, *,
 
 
 @dataclasses.dataclass(frozen=True)
-class Recorder:
+class Recorder(PolicyDefaults):
   """A policy (the seam of selection/base.py) that verifies with the full
   cache and records every head's signal and the ARR weights.
 
@@ -145,14 +147,13 @@ def collect_item(pair, item: CalibItem, *, gamma: int, max_new: int, max_len: in
                  top_n: int = 1024, progress: bool = False, kv_cache_dir=None) -> dict:
   """Run lossless greedy SD over one calibration prompt with the Recorder;
   returns the per-step arrays (see the module docstring)."""
-  from dustin_jax.profiling.runtime import prefill_base
   rec = recorder_for(pair)
   base = prefill_base(pair, [item.tokens], max_len, progress=progress, cache_dir=kv_cache_dir)
   idx_dtype = np.uint16 if max_len <= 65535 else np.int32
   steps = dict(lengths=[], w=[], d_idx=[], d_val=[], t_idx=[], t_val=[])
   lengths = [int(len(item.tokens) - 1)]
 
-  def on_step(st, out, arr):
+  def on_step(st, out):
     sig, n, active = jax.device_get((st.signals, out.n_emitted, out.active))
     if not active[0]:
       return
@@ -176,24 +177,9 @@ def collect_item(pair, item: CalibItem, *, gamma: int, max_new: int, max_len: in
 
 
 def _run_recorded(pair, base, rec, gamma, max_new, on_step, progress):
-  """`arr_step(verify="full")` with the Recorder: the lossless trajectory."""
-  from dustin_jax.generate import DecodeStats
-  from dustin_jax.profiling.runtime import RunResult, fresh_state
-  from dustin_jax.selection.arr import arr_step
-  from dustin_jax.spec.step import SpecConfig
-  cfg = SpecConfig(gamma=gamma, policy=rec)
-  st = fresh_state(base, rec, max_new)
-  stats = DecodeStats(gamma=gamma)
-  t, d = pair.target, pair.draft
-  while True:
-    st, out, _, _ = arr_step(t.graphdef, t.state, d.graphdef, d.state, st, cfg=cfg,
-                             verify="full")
-    on_step(st, out, None)
-    n, n_acc, active = jax.device_get((out.n_emitted, out.n_accepted, out.active))
-    stats.record(n, active, n_acc)
-    if bool(np.all(jax.device_get(st.decode.done))):
-      break
-  return RunResult([], stats)
+  """The lossless trajectory (`verify="full"`) with the Recorder."""
+  return run_policy(pair, base, rec, gamma=gamma, max_new_tokens=max_new, verify="full",
+                    on_step=on_step, progress=progress)
 
 
 def collect(pair, items: Sequence[CalibItem], cache_dir: str, *, gamma: int, max_new: int,

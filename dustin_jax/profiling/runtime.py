@@ -6,9 +6,10 @@
 * `prefill_base`: ONE prefill of both models per batch of prompts; every
   policy then starts from a copy of those caches (`fresh_state`), since the
   jitted step donates its state;
-* `run_policy`: the speculative loop from such a state, optionally through
-  `selection.arr.arr_step` (ARR measured at every step, the Oracle runs
-  there), with per-step hooks.
+* `run_policy`: speculative decoding from such a state through the one step
+  and the one loop, optionally with the ARR measured at every step
+  (`StepOptions`), with per-step hooks;
+* `evaluate_arr`: speculative decoding of prompts with the ARR measured.
 """
 
 from __future__ import annotations
@@ -22,8 +23,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from dustin_jax.cache import KVCache
-from dustin_jax.generate import DecodeState, DecodeStats, Model, collect, prefill
-from dustin_jax.spec.step import SpecConfig, SpecState, spec_step
+from dustin_jax.decoding import DecodeState, DecodeStats, Model, StepOutput
+from dustin_jax.loop import decode_loop
+from dustin_jax.prefill import prefill
+from dustin_jax.speculative.engine import generate_speculative
+from dustin_jax.speculative.step import SpecConfig, SpecState, StepOptions, bind_spec_step
 
 REAL_TARGET = "qwen2.5-coder-1.5b-instruct"
 REAL_DRAFT = "qwen2.5-coder-0.5b-instruct"
@@ -289,67 +293,83 @@ def fresh_state(base: Base, policy, max_new_tokens: int, seed: int = 0) -> SpecS
                    policy.init(len(base.prompts), base.max_len))
 
 
+class ARRMeter:
+  """Accumulates the ARR of every active (sequence, step) pair from step
+  outputs (`decode_loop`'s `on_output`): `mean`, `per_layer` (means),
+  `per_step` (mean over the active sequences of each step), `n` pairs."""
+
+  def __init__(self):
+    self.total, self.n, self.per_step, self._layers = 0.0, 0, [], 0.0
+
+  def __call__(self, out: StepOutput) -> None:
+    active = np.asarray(out.active)
+    if out.arr is None or not active.any():
+      return
+    self.total += float(np.asarray(out.arr)[active].sum())
+    self._layers = self._layers + np.asarray(out.arr_per_layer)[active].sum(axis=0)
+    self.n += int(active.sum())
+    self.per_step.append(float(np.asarray(out.arr)[active].mean()))
+
+  @property
+  def mean(self) -> float | None:
+    return self.total / self.n if self.n else None
+
+  @property
+  def per_layer(self) -> list[float]:
+    return (np.asarray(self._layers) / self.n).tolist() if self.n else []
+
+
 @dataclasses.dataclass
 class RunResult:
   tokens: list                      # per sequence, emitted tokens
   stats: DecodeStats
-  arr_sum: float = 0.0              # over active (sequence, step) pairs
-  arr_n: int = 0
+  arr: float | None = None          # mean over active (sequence, step) pairs, if measured
+  arr_n: int = 0                    # those pairs
   accepted_per_seq: list = dataclasses.field(default_factory=list)
   steps_per_seq: list = dataclasses.field(default_factory=list)
 
-  @property
-  def arr(self) -> float | None:
-    return self.arr_sum / self.arr_n if self.arr_n else None
-
 
 def run_policy(pair: Pair, base: Base, policy, *, gamma: int, max_new_tokens: int,
-               eos_ids: tuple[int, ...] = (), measure_arr: bool = False, seed: int = 0,
-               on_step: Callable | None = None, progress: bool = False) -> RunResult:
+               eos_ids: tuple[int, ...] = (), measure_arr: bool = False, verify: str = "sparse",
+               seed: int = 0, on_step: Callable | None = None,
+               progress: bool = False) -> RunResult:
   """Greedy speculative decoding of `base`'s prompts under `policy`.
 
-  measure_arr: run `arr_step(verify="sparse")` (the policy's own sparse
-  verification, plus one full-cache target pass that measures ARR; the
-  Oracle needs it). `on_step(state, out, arr_or_None)` after each step."""
-  from dustin_jax.selection.arr import arr_step
+  measure_arr: the ARR of the policy's set at every step (one extra
+  full-cache target pass per step). verify: "sparse" (the policy's own
+  verification) or "full" (the lossless trajectory). `on_step(state, out)`
+  after each step (`decode_loop`)."""
   cfg = SpecConfig(gamma=gamma, eos_ids=tuple(eos_ids), policy=policy)
-  need_arr = measure_arr or getattr(policy, "name", "") == "oracle"
-  st = fresh_state(base, policy, max_new_tokens, seed)
+  options = StepOptions(verify=verify, measure_arr=measure_arr)
   b = len(base.prompts)
-  stats = DecodeStats(gamma=gamma)
+  stats = DecodeStats(gamma=gamma, prompt_tokens=sum(len(p) - 1 for p in base.prompts),
+                      prefill_s=base.prefill_s)
   res = RunResult([], stats, accepted_per_seq=[0] * b, steps_per_seq=[0] * b)
-  outs = []
-  t, d = pair.target, pair.draft
-  from tqdm.auto import tqdm
-  bar = tqdm(total=max_new_tokens * b, desc=f"{getattr(policy, 'name', '?')} g{gamma}",
-             disable=not progress, leave=False)
-  t0 = time.perf_counter()
-  while True:
-    arr = None
-    if need_arr:
-      st, out, arr, _ = arr_step(t.graphdef, t.state, d.graphdef, d.state, st, cfg=cfg,
-                                 verify="sparse")
-    else:
-      st, out = spec_step(t.graphdef, t.state, d.graphdef, d.state, st, cfg=cfg)
-    if on_step is not None:
-      on_step(st, out, arr)
-    tokens, n, n_acc, active, arr_h = jax.device_get(
-        (out.tokens, out.n_emitted, out.n_accepted, out.active, arr))
-    outs.append(tokens)
-    stats.record(n, active, n_acc)
-    for i in range(b):
-      if active[i]:
-        res.accepted_per_seq[i] += int(n_acc[i])
-        res.steps_per_seq[i] += 1
-    if arr_h is not None and active.any():
-      res.arr_sum += float(np.asarray(arr_h)[active].sum())
-      res.arr_n += int(active.sum())
-    bar.update(int(n.sum()))
-    if bool(np.all(jax.device_get(st.decode.done))):
-      break
-  stats.decode_s = time.perf_counter() - t0
-  stats.prefill_s = base.prefill_s
-  bar.close()
-  res.tokens = collect(outs)
-  del st
+  meter = ARRMeter()
+
+  def on_output(out):
+    for i in np.flatnonzero(out.active):
+      res.accepted_per_seq[i] += int(out.n_accepted[i])
+      res.steps_per_seq[i] += 1
+    meter(out)
+
+  step = bind_spec_step(pair.target, pair.draft, cfg, options)
+  res.tokens, _ = decode_loop(step, fresh_state(base, policy, max_new_tokens, seed), stats,
+                              on_step=on_step, on_output=on_output, progress=progress,
+                              total=max_new_tokens * b, desc=f"{policy.name} g{gamma}")
+  res.arr, res.arr_n = meter.mean, meter.n
   return res
+
+
+def evaluate_arr(target: Model, draft: Model, prompts: Sequence[Sequence[int]], *,
+                 max_new_tokens: int, max_len: int, cfg: SpecConfig = SpecConfig(),
+                 verify: str = "full", seed: int = 0, chunk: int = 256):
+  """Speculative decoding with the ARR measured at every step; returns
+  (token lists, DecodeStats, ARRMeter). With `verify="full"` and greedy sampling the tokens are those
+  of full-cache speculative decoding whatever the policy."""
+  meter = ARRMeter()
+  tokens, stats = generate_speculative(
+      target, draft, prompts, max_new_tokens=max_new_tokens, max_len=max_len, cfg=cfg,
+      options=StepOptions(verify=verify, measure_arr=True), seed=seed, chunk=chunk,
+      on_output=meter)
+  return tokens, stats, meter

@@ -1,5 +1,6 @@
-"""The greedy SRH search of Algorithm 1 (METHOD.md §4 [ours]) over collected
-calibration data (`profiling.collect`).
+"""The greedy SRH search of Algorithm 1 of the paper over collected
+calibration data (`profiling.collect`), scored by ARR as this project
+defines it (`selection.arr`).
 
 Scoring a candidate configuration (draft heads, target heads, m) on every
 recorded verify step uses the project's own pieces: the Dustin policy's

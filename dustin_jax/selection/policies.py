@@ -44,7 +44,7 @@ import jax.numpy as jnp
 
 from dustin_jax.config import ConfigError, ModelConfig
 from dustin_jax.selection import signals as sig
-from dustin_jax.selection.base import FullCache, sink_window_indices
+from dustin_jax.selection.base import FullCache, PolicyDefaults, sink_window_indices
 from dustin_jax.selection.select import (check_budget, committed_mask, sort_and_pad,
                                          tiered_select, top_tier)
 from dustin_jax.selection.srh import Heads, check_heads, default_heads, load_srh, normalize_heads
@@ -59,7 +59,7 @@ def _check_common(p, who: str):
     raise ConfigError(f"{who}: pool must be an odd int >= 1 (1 = no pooling), got {p.pool!r}")
 
 
-class _TieredSRH:
+class _TieredSRH(PolicyDefaults):
   """Shared body of Dustin, DustinTarget and DustinDraft. Subclasses define
   budget, n_sink, n_window, draft_heads, target_heads, reduce, pool, impl and
   `draft_tier` (how many rows the draft signal picks after sink + window)."""
@@ -123,8 +123,9 @@ class _TieredSRH:
 
 @dataclasses.dataclass(frozen=True)
 class Dustin(_TieredSRH):
-  """The hybrid of METHOD.md §2: sink + window, top-`m` by the draft SRHs'
-  lookahead, the rest of `budget` by the target SRHs' history."""
+  """Dustin's draft-augmented verification set: sink + window, top-`m` by
+  the draft SRHs' lookahead, the rest of `budget` by the target SRHs'
+  history."""
   name = "dustin"
   budget: int = 512
   n_sink: int = 16
@@ -184,7 +185,7 @@ class DustinDraft(_TieredSRH):
 
 
 @dataclasses.dataclass(frozen=True)
-class Streaming:
+class Streaming(PolicyDefaults):
   """StreamingLLM: the first `n_sink` rows and the most recent
   `budget - n_sink`; no signal."""
   name = "streaming"
@@ -214,7 +215,7 @@ class Streaming:
 
 
 @dataclasses.dataclass(frozen=True)
-class Quest:
+class Quest(PolicyDefaults):
   """Quest (Tang et al. 2024), adapted to one verification set per sequence.
 
   Page metadata: per `page` rows, layer of `layers` and KV head, the
@@ -302,26 +303,18 @@ class Quest:
                          [(tok, free)] if free else [])
 
 
-ORACLE_NEEDS_QUERIES = (
-    "the Oracle policy ranks rows by the target's attention at THIS step's verify queries, "
-    "which exist only after an extra full-cache target pass over the block; the plain "
-    "spec_step has none: run the Oracle through dustin_jax.selection.arr (arr_step / "
-    "evaluate_arr), or a step that calls policy.observe_full_verify before select")
-
-
 @dataclasses.dataclass(frozen=True)
-class Oracle:
+class Oracle(PolicyDefaults):
   """Upper bound for evaluation: the K committed rows with the largest
   attention mass of the target's FULL attention at this step's verify
   queries (mean over every layer, query head and verify query of the
   probabilities renormalised over the context -- exactly what ARR counts,
   so no K-row set has a higher ARR). No sink/window is forced.
 
-  The queries do not exist before verify, so a step must run the target over
-  the block with the full cache first and call
+  The queries do not exist before verify: `needs_full_verify` makes the step
+  run the target over the block with the full cache first and call
   `observe_full_verify(signals, taps_of_all_layers, cache_with_block, gamma)`
-  before `select`; `arr.arr_step` does. In the plain `spec_step` select
-  raises (ORACLE_NEEDS_QUERIES)."""
+  before `select` (a second target pass per step: evaluation only)."""
   name = "oracle"
   draft_tap_layers = ()
   target_tap_layers = ()
@@ -354,8 +347,6 @@ class Oracle:
     return {**signals, "w": w}
 
   def select(self, signals, target_cache, gamma):
-    if "w" not in signals:
-      raise ValueError(ORACLE_NEEDS_QUERIES)
     lengths, s = target_cache.lengths, target_cache.max_len
     idx, _ = top_tier(signals["w"], committed_mask(lengths, s), self.budget)
     return sort_and_pad(idx, self.budget)

@@ -1,7 +1,7 @@
 """The tiered top-k that turns importance signals into `I_verify`.
 
-METHOD.md §2: one fixed-size set of K context rows per sequence, shared by
-every layer, KV head and verify query:
+Dustin verifies with one fixed-size set of K context rows per sequence,
+shared by every layer, KV head and verify query:
 
   1. the first `n_sink` and the last `n_window` committed rows, always;
   2. the top-`m` of the rest by the first signal (Dustin: draft-lookahead);
@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from dustin_jax.config import ConfigError
+from dustin_jax.selection.base import sink_window_indices
 from kernels.srh_scores.ops import select_topk
 
 
@@ -102,7 +103,6 @@ def tiered_select(lengths: jax.Array, max_len: int, budget: int, n_sink: int, n_
   if sum(k for _, k in tiers) != budget - n_sink - n_window:
     raise ValueError(f"tier sizes {[k for _, k in tiers]} do not fill budget - n_sink - "
                      f"n_window = {budget - n_sink - n_window}")
-  from dustin_jax.selection.base import sink_window_indices
   lengths = lengths.astype(jnp.int32)
   taken = sink_window_mask(lengths, max_len, n_sink, n_window)
   free = committed_mask(lengths, max_len) & ~taken

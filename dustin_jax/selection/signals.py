@@ -1,10 +1,12 @@
 """Importance signals over the whole context, each a f32[B, S] map.
 
 * `srh_signal`: attention probabilities of a few semantic retrieval heads
-  (SRHs), through `kernels.srh_scores` -- the draft-lookahead and the
-  target-historical signals of METHOD.md §1 and §3. Only the configured
-  (layer, head) pairs are read: one `srh_scores` call per configured layer,
-  on that layer's selected query heads and the KV heads they read.
+  (SRHs), through `kernels.srh_scores` -- Dustin's draft-lookahead signal
+  (the draft's queries for the tokens it proposes) and target-historical
+  signal (the target's verify queries of the previous step). Only the
+  configured (layer, head) pairs are read: one `srh_scores` call per
+  configured layer, on that layer's selected query heads and the KV heads
+  they read.
 * `attention_weights`: the target's full attention at the verify queries,
   renormalised over the committed context per (head, query) -- what ARR and
   the Oracle policy rank by (arr.py).

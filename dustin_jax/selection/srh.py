@@ -1,5 +1,6 @@
 """Semantic retrieval head (SRH) configurations: the output of the offline
-search (METHOD.md §4, Algorithm 1) and the default used until it has run.
+search (Algorithm 1 of the paper, `profiling.search`) and the default used
+until it has run.
 
 An SRH file is JSON:
 

@@ -4,6 +4,9 @@ from __future__ import annotations
 import jax
 
 from kernels import common
+from kernels.decode_attention.gpu import decode_attention_gpu
+from kernels.decode_attention.reference import decode_attention_reference
+from kernels.decode_attention.tpu import decode_attention_tpu
 
 
 def decode_attention(q, k, v, lengths, *, scale=None, impl="auto",
@@ -26,12 +29,9 @@ def decode_attention(q, k, v, lengths, *, scale=None, impl="auto",
   """
   impl = common.resolve_impl(impl)
   if impl == "reference":
-    from kernels.decode_attention.reference import decode_attention_reference
     return decode_attention_reference(q, k, v, lengths, scale=scale)
   if impl == "gpu":
-    from kernels.decode_attention.gpu import decode_attention_gpu
     return decode_attention_gpu(q, k, v, lengths, scale=scale,
                                 interpret=interpret, **tuning)
-  from kernels.decode_attention.tpu import decode_attention_tpu
   return decode_attention_tpu(q, k, v, lengths, scale=scale,
                               interpret=interpret, **tuning)

@@ -4,6 +4,9 @@ from __future__ import annotations
 import jax
 
 from kernels import common
+from kernels.sparse_verify.gpu import sparse_verify_gpu
+from kernels.sparse_verify.reference import sparse_verify_reference
+from kernels.sparse_verify.tpu import sparse_verify_tpu
 
 
 def sparse_verify(q, k, v, lengths, indices, *, scale=None, impl="auto",
@@ -24,12 +27,9 @@ def sparse_verify(q, k, v, lengths, indices, *, scale=None, impl="auto",
   """
   impl = common.resolve_impl(impl)
   if impl == "reference":
-    from kernels.sparse_verify.reference import sparse_verify_reference
     return sparse_verify_reference(q, k, v, lengths, indices, scale=scale)
   if impl == "gpu":
-    from kernels.sparse_verify.gpu import sparse_verify_gpu
     return sparse_verify_gpu(q, k, v, lengths, indices, scale=scale,
                              interpret=interpret, **tuning)
-  from kernels.sparse_verify.tpu import sparse_verify_tpu
   return sparse_verify_tpu(q, k, v, lengths, indices, scale=scale,
                            interpret=interpret, **tuning)

@@ -36,7 +36,7 @@ def test_bench_smoke(tmp_path):
 
 
 def test_parse_device_times_unions_gpu_stream_kernels():
-  from dustin_jax.benchmarking import parse_device_times
+  from scripts.benchmarking import parse_device_times
   M = lambda pid, tid, kind, name: dict(ph="M", pid=pid, tid=tid, name=kind,
                                         args=dict(name=name))
   X = lambda pid, tid, ts, dur, name="k": dict(ph="X", pid=pid, tid=tid,

@@ -154,8 +154,8 @@ def test_gpu_kernel_compiled_default_tuning(G, T, K):
 
 
 @gpu_only
-@pytest.mark.xfail(strict=False, reason="combine='fused' is experimental: timed "
-                   "once on a GPU, this check not yet run there (kernels/NOTES.md)")
+@pytest.mark.xfail(strict=False, reason="combine='fused' is experimental: checked in "
+                   "interpret mode only (kernels/NOTES.md)")
 def test_gpu_kernel_compiled_fused_combine():
   q, k, v, L, idx = make_case(11, 4, 5, 28, 4, 5000, 128,
                               [4990, 300, 2345, 4000], 512, jnp.bfloat16)

@@ -1,16 +1,30 @@
-"""Benchmark helpers: device time out of JAX profiler traces, random models.
+"""Measurement helpers of the benchmark scripts (the library never imports
+them): device time out of JAX profiler traces, per-phase device time of the
+fused speculative step, random models and caches of real shapes, and each
+step's bandwidth floor.
 
 Wall-clock timing of a few-microsecond kernel measures the host; the GPU
-kernel intervals in a profiler trace measure the device. Shared by
-scripts/bench_attention.py, scripts/bench_e2e.py and scripts/profile_step.py.
+kernel intervals in a profiler trace measure the device.
 """
 
 from __future__ import annotations
 
+import collections
 import glob
 import gzip
 import json
 import os
+import re
+import tempfile
+
+import jax
+import jax.numpy as jnp
+
+from dustin_jax import sharding
+from dustin_jax.decoding import DecodeState, Model
+from dustin_jax.sharding import shard_batch_tree
+from dustin_jax.speculative.step import SpecConfig, SpecState
+from dustin_jax.weights import random_params
 
 
 def load_trace_events(trace_dir: str) -> list:
@@ -94,20 +108,16 @@ class DeviceTimer:
     self._ev = None
 
   def __enter__(self):
-    import tempfile
-    import jax
     self._dir = tempfile.mkdtemp(prefix="device_timer_")
     jax.profiler.start_trace(self._dir, create_perfetto_trace=True)
     return self
 
   def __exit__(self, *exc):
-    import jax
     jax.profiler.stop_trace()
     self._ev = load_trace_events(self._dir)
     return False
 
   def window(self, name: str):
-    import jax
     label = f"{name}#{len(self._labels)}"
     self._labels.append(label)
     return jax.profiler.TraceAnnotation(label)
@@ -128,9 +138,6 @@ def median(xs):
 def random_model(cfg, seed: int, mesh=None):
   """A Model with random weights of `cfg`'s shapes, made in their shards over
   `mesh` (KV heads replicated where the model axis needs it)."""
-  from dustin_jax import sharding
-  from dustin_jax.generate import Model
-  from dustin_jax.weights import random_params
   graphdef, state = random_params(cfg, seed=seed, mesh=mesh)
   if mesh is not None:
     cfg, graphdef, state = sharding.place_model(cfg, graphdef, state, mesh)
@@ -140,9 +147,6 @@ def random_model(cfg, seed: int, mesh=None):
 def fresh_decode_state(batch: int, mesh=None):
   """A decode state far from its max_new (timed steps never finish),
   sharded over `mesh` like the decode loops shard it."""
-  import jax
-  from dustin_jax.generate import DecodeState
-  from dustin_jax.sharding import shard_batch_tree
   ds = DecodeState.init([[1, 2]] * batch, 1 << 30, jax.random.key(0))
   return ds if mesh is None else shard_batch_tree(ds, mesh)
 
@@ -151,9 +155,6 @@ def spec_state_at(tcache, dcache, context: int, policy, mesh=None):
   """A speculative decode state with both caches committed up to `context`,
   a fresh decode state and the policy's initial signals, sharded over
   `mesh` like the decode loops shard them."""
-  import jax.numpy as jnp
-  from dustin_jax.sharding import shard_batch_tree
-  from dustin_jax.spec.step import SpecState
   b = tcache.batch
   full = jnp.full((b,), context, jnp.int32)
   signals = policy.init(b, tcache.max_len)
@@ -169,7 +170,6 @@ def floor_bytes(method, tcfg, dcfg, batch, context, gamma, budget, policy, ways=
   scores (once per step: the draft's gamma queries are scored in one call).
   The target's weights and KV are split `ways` ways (tensor parallel); the
   draft runs whole on every device."""
-  from dustin_jax.spec.step import SpecConfig
   def weights(c):
     return c.num_params() * 2
   def kv(c, rows):
@@ -204,3 +204,54 @@ def floor_time(rec: dict) -> None:
   if tbs and step and rec.get("floor_bytes"):
     rec["floor_ms"] = sum(rec["floor_bytes"].values()) / (tbs * 1e9)
     rec["floor_share"] = rec["floor_ms"] / step
+
+
+# ----------------------------------------------------- phases of the fused step
+# the step's named scopes (speculative/step.py); "estimate" sits inside
+# "draft" and "verify" and wins: the innermost phase names a kernel's phase
+PHASES = ("draft", "full_verify", "select", "verify", "accept", "commit", "estimate")
+
+
+def hlo_phases(hlo_text: str) -> dict[str, str]:
+  """Kernel name -> phase, from a compiled module's HLO text: each
+  instruction's `op_name` metadata carries the named scopes it was traced
+  under; GPU kernels of XLA fusions are named after their instruction with
+  '.' and '-' as '_'."""
+  out = {}
+  for m in re.finditer(r"%([\w.-]+) = [^\n]*?op_name=\"([^\"]*)\"", hlo_text):
+    parts = m.group(2).split("/")
+    phase = next((p for p in reversed(parts) if p in PHASES), None)
+    if phase is not None:
+      out[re.sub(r"[.-]", "_", m.group(1))] = phase
+  return out
+
+
+def attribute_phases(events, phase_of: dict[str, str]) -> dict[str, float]:
+  """Device microseconds per phase of GPU kernel `events` (one or more
+  whole steps, in launch order). A kernel that is not an XLA instruction
+  (a Pallas kernel is named after its function) takes the phase of the
+  kernel before it: the phases run in order."""
+  total = collections.Counter()
+  phase = "draft"
+  for e in sorted(events, key=lambda e: e["ts"]):
+    phase = phase_of.get(e["name"], phase)
+    total[phase] += e.get("dur", 0)
+  return dict(total)
+
+
+def phase_device_ms(step, state, steps: int, reset=lambda s: s):
+  """Per-phase GPU time (ms per step) of the fused, bound speculative step,
+  from one profiler trace of `steps` steps; None without device events
+  (CPU). `reset(state)` prepares each next step; returns (ms, state)."""
+  phase_of = hlo_phases(step.lower(state).compile().as_text())
+  state = reset(step(state)[0])
+  jax.block_until_ready(state)
+  d = tempfile.mkdtemp(prefix="phases_")
+  with jax.profiler.trace(d, create_perfetto_trace=True):
+    for _ in range(steps):
+      state = reset(step(state)[0])
+    jax.block_until_ready(state)
+  dev = device_events(load_trace_events(d))
+  if not dev:
+    return None, state
+  return {p: us / steps / 1e3 for p, us in attribute_phases(dev, phase_of).items()}, state

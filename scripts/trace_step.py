@@ -1,6 +1,6 @@
 r"""Where the time of one decoding step goes: device time per kernel.
 
-  python -m scripts.profile_step --out_dir=results/h200 --context=32768 --batch=16
+  python -m scripts.trace_step --out_dir=results/h200 --context=32768 --batch=16
 
 Runs the vanilla step and the dustin step (random weights of a benchmark
 pair's shapes, `--model`, over `--mesh_model` devices; caches filled to
@@ -8,7 +8,8 @@ pair's shapes, `--model`, over `--mesh_model` devices; caches filled to
 run it (no profiler), then under the JAX profiler the GPU kernel time per
 kernel name (GPU busy time = the union of kernel intervals; launches) and
 the host time per traced host event (where dispatch time goes when the step
-is host-bound). Writes profile_step.json.
+is host-bound). Writes trace_step.json, with the dustin step's GPU time per phase (the
+step's named scopes).
 """
 
 from __future__ import annotations
@@ -22,10 +23,11 @@ import time
 from absl import app
 from absl import flags
 
-from dustin_jax.benchmarking import (busy_time, device_events, fresh_decode_state,
-                                     load_trace_events, random_model, spec_state_at)
+from scripts.benchmarking import (attribute_phases, busy_time, device_events,
+                                  fresh_decode_state, hlo_phases, load_trace_events,
+                                  random_cache, random_model, spec_state_at)
 
-flags.DEFINE_string("out_dir", "results/h200", "where profile_step.json goes")
+flags.DEFINE_string("out_dir", "results/h200", "where trace_step.json goes")
 flags.DEFINE_string("model", "qwen7b", "target + draft shapes: qwen7b, llama3_8b or qwen72b")
 flags.DEFINE_integer("mesh_model", 1, "tensor-parallel ways (the target sharded, the draft "
                      "whole on every device, as in bench_e2e)")
@@ -36,13 +38,13 @@ flags.DEFINE_integer("steps", 3, "profiled steps per method")
 flags.DEFINE_integer("top", 25, "kernels listed per method")
 flags.DEFINE_list("methods", ["vanilla", "dustin"], "steps profiled: vanilla and/or dustin")
 flags.DEFINE_integer("asrun_steps", 20, "steps queued back to back for step_ms (no profiler)")
-flags.DEFINE_string("out_name", "profile_step.json", "output file in out_dir")
+flags.DEFINE_string("out_name", "trace_step.json", "output file in out_dir")
 flags.DEFINE_string("xla_flags", "", "appended to XLA_FLAGS before jax starts")
 flags.DEFINE_bool("smoke", False, "tiny shapes (CPU)")
 FLAGS = flags.FLAGS
 
 
-def profile(fn, steps):
+def profile(fn, steps, phase_of=None):
   """`fn()` runs one step and returns its output. Three measures:
   `step_ms`, steps queued back to back with the host one step ahead (as the
   decode loops run), without the profiler (whose per-launch tracing slows
@@ -77,7 +79,9 @@ def profile(fn, steps):
   top = [dict(kernel=k[:120], us=round(v, 1), launches=round(count[k], 1))
          for k, v in per.most_common(FLAGS.top)]
   host = host_event_summary(ev, dev, steps)
-  return dict(step_ms=1e3 * sorted(runs)[1], step_ms_runs=[1e3 * r for r in runs],
+  phases = ({p: round(us / steps / 1e3, 4) for p, us in attribute_phases(dev, phase_of).items()}
+            if phase_of and dev else None)
+  return dict(phase_ms=phases, step_ms=1e3 * sorted(runs)[1], step_ms_runs=[1e3 * r for r in runs],
               profiled_wall_ms=1e3 * wall, gpu_busy_ms=busy / 1e3,
               kernel_sum_ms=sum(per.values()) / 1e3, launches=round(sum(count.values())),
               top=top, host=host[:FLAGS.top])
@@ -106,11 +110,10 @@ def main(argv):
   import jax
   from configs import shapes
   from dustin_jax import sharding
-  from dustin_jax.cache import random_cache
   from dustin_jax.config import ModelConfig
-  from dustin_jax.generate import bind_vanilla_step
   from dustin_jax.selection.policies import policy_from_config
-  from dustin_jax.spec.step import SpecConfig, bind_spec_step
+  from dustin_jax.speculative.step import SpecConfig, bind_spec_step
+  from dustin_jax.vanilla import VanillaState, bind_vanilla_step
 
   thf, dhf = shapes.PAIRS[FLAGS.model]
   layers, b, ctx = None, FLAGS.batch, FLAGS.context
@@ -130,10 +133,11 @@ def main(argv):
          "jax_version": jax.__version__, "xla_flags": os.environ.get("XLA_FLAGS", "")}
 
   vstep = bind_vanilla_step(target, mesh=mesh)
-  box = {"c": random_cache(tcfg, b, max_len, ctx, 11, mesh=mesh), "ds": fresh_decode_state(b, mesh)}
+  box = {"v": VanillaState(random_cache(tcfg, b, max_len, ctx, 11, mesh=mesh),
+                           fresh_decode_state(b, mesh))}
   def vrun():  # lengths grow by one per step from `ctx`
-    box["c"], box["ds"], o, _ = vstep(box["c"], box["ds"])
-    return o
+    box["v"], o = vstep(box["v"])
+    return o.tokens
   if "vanilla" in FLAGS.methods:
     out["vanilla"] = profile(vrun, FLAGS.steps)
     print(json.dumps({"vanilla": {k: v for k, v in out["vanilla"].items()
@@ -143,13 +147,14 @@ def main(argv):
                               tcfg, dcfg)
   cfg = SpecConfig(gamma=FLAGS.gamma, policy=policy, draft_kv="streaming", mesh=mesh)
   dcache = random_cache(dcfg, b, max_len, ctx, 13, mesh=dmesh)
-  st = {"s": spec_state_at(box.pop("c"), dcache, ctx, policy, mesh)}
+  st = {"s": spec_state_at(box.pop("v").cache, dcache, ctx, policy, mesh)}
   sstep = bind_spec_step(target, draft, cfg)
+  phase_of = hlo_phases(sstep.lower(st["s"]).compile().as_text())
   def srun():
     st["s"], o = sstep(st["s"])
     return o.tokens
   if "dustin" in FLAGS.methods:
-    out["dustin"] = profile(srun, FLAGS.steps)
+    out["dustin"] = profile(srun, FLAGS.steps, phase_of)
     print(json.dumps({"dustin": {k: v for k, v in out["dustin"].items()
                                  if k not in ("top", "host")}}), flush=True)
   os.makedirs(FLAGS.out_dir, exist_ok=True)
@@ -158,6 +163,8 @@ def main(argv):
   for m in FLAGS.methods:
     print(f"\n{m}: step {out[m]['step_ms']:.2f} ms (host one step ahead), GPU busy "
           f"{out[m]['gpu_busy_ms']:.2f} ms, {out[m]['launches']} launches")
+    if out[m]["phase_ms"]:
+      print("  per phase (ms): " + "  ".join(f"{k} {v:.2f}" for k, v in out[m]["phase_ms"].items()))
     for t in out[m]["top"][:15]:
       print(f"  {t['us']:9.1f} us  x{t['launches']:<6} {t['kernel'][:90]}")
     print("  host:")

@@ -1,20 +1,20 @@
-"""Host-side driver: prefill both models, run the jitted step until every
-sequence stops, gather tokens and statistics."""
+"""Speculative decoding of a batch of prompts: prefill both models, then the
+one host loop (`loop.decode_loop`) over the bound step."""
 
 from __future__ import annotations
 
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 import jax
-import numpy as np
 
 from dustin_jax.cache import KVCache
-from dustin_jax.generate import (DecodeState, DecodeStats, InputError, Model, 
-                                 check_lengths, collect, prefill)
-from dustin_jax.progress import progress as progress_bar
-from dustin_jax.sharding import draft_mesh
-from dustin_jax.spec.step import SpecConfig, SpecState, bind_spec_step
+from dustin_jax.compilation import CompileClock
+from dustin_jax.decoding import DecodeState, DecodeStats, InputError, Model, check_lengths
+from dustin_jax.loop import decode_loop
+from dustin_jax.prefill import prefill
+from dustin_jax.sharding import draft_mesh, shard_batch_tree
+from dustin_jax.speculative.step import SpecConfig, SpecState, StepOptions, bind_spec_step
 
 
 def check_pair(target: Model, draft: Model) -> None:
@@ -40,41 +40,25 @@ def init_state(target: Model, draft: Model, prompts, *, max_new_tokens, max_len,
   rest = (DecodeState.init(prompts, max_new_tokens, jax.random.key(seed)),
           cfg.policy.init(b, max_len))
   if mesh is not None:
-    from dustin_jax.sharding import shard_batch_tree
     rest = shard_batch_tree(rest, mesh)
   return SpecState(tc, dc, *rest)
 
 
 def generate_speculative(target: Model, draft: Model, prompts: Sequence[Sequence[int]], *,
                          max_new_tokens: int, max_len: int, cfg: SpecConfig = SpecConfig(),
-                         seed: int = 0, chunk: int = 256, progress: bool = False,
-                         on_step=None):
+                         options: StepOptions = StepOptions(), seed: int = 0, chunk: int = 256,
+                         progress: bool = False, on_step: Callable | None = None,
+                         on_output: Callable | None = None):
   """Speculative decoding of a ragged batch. Returns (token lists, DecodeStats).
-  `on_step(state, output)` is called after each step (evaluation hooks)."""
-  stats = DecodeStats(gamma=cfg.gamma)
+  `on_step(state, output)` / `on_output(host_output)`: see `decode_loop`."""
+  stats = DecodeStats(gamma=cfg.gamma, prompt_tokens=sum(len(p) - 1 for p in prompts))
   t0 = time.perf_counter()
-  st = init_state(target, draft, prompts, max_new_tokens=max_new_tokens, max_len=max_len,
-                  cfg=cfg, seed=seed, chunk=chunk, progress=progress)
-  jax.block_until_ready(st)
-  stats.prefill_s = time.perf_counter() - t0
-  step = bind_spec_step(target, draft, cfg)
-  outs = []
-  bar = progress_bar(desc="decode", total=max_new_tokens * len(prompts), enabled=progress)
-  t0 = time.perf_counter()
-  st, out = step(st)
-  while True:
-    if on_step is not None:  # before the next step consumes (donates) the state
-      on_step(st, out)
-    # queue step t+1 before reading step t: the host's dispatch overlaps the
-    # device's work (the step after the last one is wasted)
-    st, ahead = step(st)
-    tokens, n, n_acc, active, done = jax.device_get(
-        (out.tokens, out.n_emitted, out.n_accepted, out.active, out.done))
-    outs.append(tokens)
-    bar.update(stats.record(n, active, n_acc))
-    if bool(np.all(done)):
-      break
-    out = ahead
-  stats.decode_s = time.perf_counter() - t0
-  bar.close()
-  return collect(outs), stats
+  with CompileClock() as clock:
+    st = jax.block_until_ready(init_state(
+        target, draft, prompts, max_new_tokens=max_new_tokens, max_len=max_len, cfg=cfg,
+        seed=seed, chunk=chunk, progress=progress))
+  stats.prefill_s, stats.prefill_compile_s = time.perf_counter() - t0, clock.seconds
+  tokens, _ = decode_loop(bind_spec_step(target, draft, cfg, options), st, stats,
+                          on_step=on_step, on_output=on_output, progress=progress,
+                          total=max_new_tokens * len(prompts))
+  return tokens, stats
