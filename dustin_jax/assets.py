@@ -36,13 +36,14 @@ found equal to the registry's SHA-256:
 * ``mtime_ns``: its ``st_mtime_ns`` when it was hashed;
 * ``block_size``: the size of a sampled block, 1048576 (1 MiB);
 * ``blocks``: ``[[offset, sha256_hex], ...]``, the hex SHA-256 of each
-  sampled block ``[offset, min(offset + block_size, size))``: the first block
-  (offset 0), 6 blocks at offsets ``(size - block_size) * i // 7`` for
-  ``i = 1..6``, and the last block (offset ``size - block_size``); a file
-  no larger than one block has the single block ``[0, size)``.
+  sampled block ``[offset, min(offset + block_size, size))``, in increasing
+  order of the distinct offsets among: 0 (the first block),
+  ``(size - block_size) * i // 7`` for ``i = 1..6``, and ``size - block_size``
+  (the last block); a file no larger than one block has the single block
+  ``[0, size)``.
 
 Every :func:`ensure_model` call checks ``sha256``, ``size``, ``mtime_ns`` and
-re-hashes the sampled blocks (8 MiB, a few milliseconds), so corruption that
+re-hashes the sampled blocks (8 MiB, about 15 ms), so corruption that
 keeps the size and the mtime is caught when it touches a sampled block;
 ``ensure_model(name, verify=True)`` re-hashes the whole file. A file whose
 stamp does not vouch for it is re-hashed in full, and re-assembled if it
@@ -483,7 +484,7 @@ def ensure_model(name: str, cache_dir: str | os.PathLike | None = None, *,
   ``cache_root()/models``) on first use: streaming, into a temporary
   ``.partial`` file that is renamed atomically once its SHA-256 matches.
   Later calls check the stamp (digest, size, mtime and the SHA-256 of the
-  sampled blocks, a few milliseconds) and return; a cached file the stamp
+  sampled blocks, about 15 ms) and return; a cached file the stamp
   does not vouch for is re-hashed in full, and re-assembled if it is corrupt.
   Stale partial files of interrupted assemblies are removed first (see the
   module docstring for the rule).

@@ -129,6 +129,7 @@ class DecodeStats:
   prompt_tokens: int = 0       # prefilled, all sequences
   prefill_s: float = 0.0
   decode_s: float = 0.0
+  first_step_s: float = 0.0    # decode start to the first step's tokens on the host
   prefill_compile_s: float = 0.0
   decode_compile_s: float = 0.0
 

@@ -149,10 +149,11 @@ def read_gguf_metadata(path: str | os.PathLike, prefix: str = "") -> dict[str, A
   Strings are ``str`` (UTF-8), arrays are lists, numbers and booleans are
   Python scalars (float32 as its shortest round-tripping decimal). No tensor
   data is read.
-  """
-  from gguf import GGUFReader
 
-  reader = GGUFReader(os.fspath(path))
+  Raises:
+    CheckpointError: the file cannot be read, or is truncated or corrupt.
+  """
+  reader = _open_reader(path)
   return {k: _field_value(f) for k, f in reader.fields.items() if k.startswith(prefix)}
 
 

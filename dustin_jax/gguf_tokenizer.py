@@ -157,6 +157,11 @@ def _optional_int(meta: dict[str, Any], key: str) -> int | None:
   return None if v is None else int(v)
 
 
+def _optional_bool(meta: dict[str, Any], key: str) -> bool | None:
+  v = meta.get(key)
+  return None if v is None else bool(v)
+
+
 def read_tokenizer_spec(path: str | os.PathLike) -> GGUFTokenizerSpec:
   """The tokenizer metadata of the GGUF file ``path``, checked.
 
@@ -186,7 +191,6 @@ def read_tokenizer_spec(path: str | os.PathLike) -> GGUFTokenizerSpec:
   if types and len(types) != len(tokens):
     raise GGUFTokenizerError(
         f"{path}: {len(types)} token types for {len(tokens)} tokens (tokenizer.ggml.token_type)")
-  flag = lambda key: None if meta.get(key) is None else bool(meta[key])
   return GGUFTokenizerSpec(
       path=path, model=model, pre=pre, tokens=tokens, token_types=types,
       merges=meta["tokenizer.ggml.merges"],
@@ -194,8 +198,8 @@ def read_tokenizer_spec(path: str | os.PathLike) -> GGUFTokenizerSpec:
       eos_id=_optional_int(meta, "tokenizer.ggml.eos_token_id"),
       unk_id=_optional_int(meta, "tokenizer.ggml.unknown_token_id"),
       pad_id=_optional_int(meta, "tokenizer.ggml.padding_token_id"),
-      add_bos=flag("tokenizer.ggml.add_bos_token"),
-      add_eos=flag("tokenizer.ggml.add_eos_token"),
+      add_bos=_optional_bool(meta, "tokenizer.ggml.add_bos_token"),
+      add_eos=_optional_bool(meta, "tokenizer.ggml.add_eos_token"),
       chat_template=meta.get("tokenizer.chat_template"),
   )
 
@@ -274,6 +278,7 @@ def load_gguf_tokenizer(path: str | os.PathLike):
     FileNotFoundError: ``path`` does not exist.
     GGUFTokenizerError: the tokenizer is not supported (the message names the
       file and the offending value).
+    dustin_jax.config.CheckpointError: the file is not a readable GGUF file.
   """
   from transformers import PreTrainedTokenizerFast
 

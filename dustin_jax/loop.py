@@ -57,6 +57,8 @@ def decode_loop(step: Callable, state: Any, stats: DecodeStats, *,
         on_step(state, out)
       res = call(state)
       host = jax.device_get(out)
+      if not outs:
+        stats.first_step_s = time.perf_counter() - t0
       outs.append(host.tokens)
       bar.update(stats.record(host.n_emitted, host.active, host.n_accepted))
       if on_output is not None:

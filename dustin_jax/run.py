@@ -195,7 +195,7 @@ def load_model(m, c, role: str, mesh=None) -> tuple[Model, str | None]:
     cfg, graphdef, state = weights.load_checkpoint(path, dtype=c.dtype, num_layers=layers,
                                                    mesh=mesh)
   if mesh is not None:
-    cfg, graphdef, state = sharding.place_model(cfg, graphdef, state, mesh)
+    cfg, graphdef, state = weights.place_model(cfg, graphdef, state, mesh)
   return Model(cfg, graphdef, state), path
 
 
@@ -418,6 +418,9 @@ def build(c) -> dict[str, Any]:
                           f"tokenizer's {vocab} tokens: wrong model or tokenizer")
   check_prompts(c, prompts)
   if speculative:
+    from types import SimpleNamespace
+    from dustin_jax.speculative.engine import check_pair
+    check_pair(SimpleNamespace(cfg=target_cfg), SimpleNamespace(cfg=draft_cfg))
     make_policy(c, target_cfg, draft_cfg)  # its checks now; built again for the placed models
   for (role, cfg) in cfgs:
     check_checkpoint(c[role], c, cfg)

@@ -96,7 +96,7 @@ def check_output(path: str) -> None:
   a run never ends with results it cannot write."""
   from dustin_jax.config import ConfigError
   full = os.path.abspath(path)
-  if os.path.isdir(full):
+  if os.path.isdir(full) or path.endswith(os.sep):
     raise ConfigError(f"output_json {path!r} is a directory: give a file name, e.g. "
                       f"{os.path.join(path, 'out.json')!r}")
   parent = os.path.dirname(full)

@@ -263,6 +263,14 @@ def test_missing_merges(small_vocab, tmp_path):
   assert str(path) in str(ei.value)
 
 
+def test_not_a_gguf_file(tmp_path):
+  path = tmp_path / "garbage.gguf"
+  path.write_bytes(b"definitely not a GGUF file" * 10)
+  with pytest.raises(ValueError) as ei:
+    load_gguf_tokenizer(path)
+  assert str(path) in str(ei.value)
+
+
 def test_missing_file(tmp_path):
   with pytest.raises(FileNotFoundError):
     load_gguf_tokenizer(tmp_path / "nope.gguf")

@@ -1,6 +1,6 @@
 """Offline SRH profiling: the search's ARR, the greedy search on planted
 signals, m re-optimisation, and collection on a tiny real step agreeing
-with the ARR that `selection.arr.evaluate_arr` measures."""
+with the ARR that `profiling.runtime.evaluate_arr` measures."""
 
 import jax.numpy as jnp
 import numpy as np
@@ -114,13 +114,13 @@ def test_m_is_reoptimised_to_the_split_the_signals_predict(tmp_path, rng):
   assert curve[16] > curve[0] + 0.05 and curve[16] > curve[64] + 0.05
 
 
-def test_collected_search_arr_equals_the_arr_step_measurement(tmp_path):
+def test_collected_search_arr_equals_the_step_measurement(tmp_path):
   """Collection on a tiny pair, then the search's ARR of a head set equals
   what evaluate_arr measures for the Dustin policy with those heads on the
   same (lossless) trajectory."""
   from dustin_jax.profiling import collect
   from dustin_jax.profiling.runtime import load_pair
-  from dustin_jax.selection.arr import evaluate_arr
+  from dustin_jax.profiling.runtime import evaluate_arr
   from dustin_jax.selection.policies import make_policy
   from dustin_jax.speculative.step import SpecConfig
   pair = load_pair("tiny")
@@ -142,7 +142,7 @@ def test_collected_search_arr_equals_the_arr_step_measurement(tmp_path):
   _, _, res = evaluate_arr(pair.target, pair.draft, [prompt], max_new_tokens=new,
                            max_len=max_len, cfg=SpecConfig(gamma=gamma, policy=policy),
                            verify="full")
-  assert res.seq_steps == data.n_steps
+  assert res.n == data.n_steps
   assert ours == pytest.approx(res.mean, abs=2e-3)   # float16 storage of the signals
 
 

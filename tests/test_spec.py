@@ -226,3 +226,55 @@ def test_bad_inputs(pair):
                 draft.graphdef, draft.state)
   with pytest.raises(InputError, match="do not share a tokenizer"):
     generate_speculative(target, other, [[5] * 4], max_new_tokens=4, max_len=32)
+
+
+def test_teacher_forced_step_scores_the_forced_block(pair, rng):
+  """Forcing the target's own greedy continuation: under full verification
+  its argmax at every position of each block is the next forced token, and
+  the whole block is committed."""
+  from dustin_jax.decoding import DecodeStats
+  from dustin_jax.loop import decode_loop
+  from dustin_jax.speculative.step import StepOptions, bind_spec_step
+  target, draft = pair
+  gamma, blocks = 3, 3
+  prompts = prompts_of(rng, [9, 14])
+  ref, _ = generate(target, prompts, max_new_tokens=blocks * (gamma + 1), max_len=64)
+  forced = [np.asarray([r[i * (gamma + 1):(i + 1) * (gamma + 1)] for r in ref], np.int32)
+            for i in range(blocks)]
+  cfg = SpecConfig(gamma=gamma)
+  st = init_state(target, draft, prompts, max_new_tokens=blocks * (gamma + 1), max_len=64,
+                  cfg=cfg)
+  outs = []
+  tokens, st = decode_loop(bind_spec_step(target, draft, cfg, StepOptions(teacher_forced=True)),
+                           st, DecodeStats(gamma=gamma), inputs=forced, on_output=outs.append)
+  assert tokens == ref
+  assert len(outs) == blocks
+  for i, out in enumerate(outs):
+    # position t predicts the token after forced[t]: forced[t + 1], then the next block's first
+    nxt = np.concatenate([forced[i][:, 1:], (forced[i + 1][:, :1] if i + 1 < blocks else
+                                              np.asarray(ref)[:, -1:] * 0 - 1)], axis=1)
+    known = nxt >= 0
+    np.testing.assert_array_equal(out.target_top1[known], nxt[known])
+    assert np.all(np.isfinite(out.nll)) and np.all(out.nll >= 0)
+  np.testing.assert_array_equal(st.target.lengths, [len(p) - 1 + blocks * (gamma + 1)
+                                                    for p in prompts])
+
+
+def test_the_step_names_its_phases_for_the_profiler(pair, rng):
+  """Every phase of the fused step is a named scope: the compiled program's
+  op names carry them, and the trace attribution maps kernels to them."""
+  from dustin_jax.selection.policies import policy_from_config
+  from dustin_jax.speculative.step import bind_spec_step
+  from scripts.benchmarking import attribute_phases, hlo_phases
+  target, draft = pair
+  policy = policy_from_config(dict(policy="dustin", budget=12, n_sink=2, n_window=4, m=3),
+                              target.cfg, draft.cfg)
+  cfg = SpecConfig(gamma=3, policy=policy)
+  st = init_state(target, draft, prompts_of(rng, [20, 25]), max_new_tokens=8, max_len=48, cfg=cfg)
+  phase_of = hlo_phases(bind_spec_step(target, draft, cfg).lower(st).compile().as_text())
+  assert {"draft", "estimate", "select", "verify", "accept", "commit"} <= set(phase_of.values())
+  name = next(k for k, v in phase_of.items() if v == "verify")
+  events = [dict(name="a_pallas_kernel", ts=0, dur=5), dict(name=name, ts=10, dur=3),
+            dict(name="a_pallas_kernel", ts=20, dur=4)]
+  # an unknown kernel name takes the phase of the kernel before it
+  assert attribute_phases(events, phase_of) == {"draft": 5, "verify": 7}

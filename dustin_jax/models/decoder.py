@@ -106,15 +106,24 @@ class Attention(nnx.Module):
     self.v_proj = Linear(d, cfg.num_kv_heads * hd, bias=cfg.qkv_bias, dtype=dtype, rngs=rngs)
     self.o_proj = Linear(cfg.num_heads * hd, d, bias=cfg.o_bias, dtype=dtype, rngs=rngs)
 
-  def __call__(self, x, cos, sin, k_cache, v_cache, lengths, kv_indices, impl, mesh):
+  def qkv(self, x, cos, sin):
+    """Queries [B, T, Hq, D], keys and values [B, T, Hkv, D] of normed `x`
+    [B, T, d], q and k after rope."""
     b, t, _ = x.shape
     q = self.q_proj(x).reshape(b, t, self.num_heads, self.head_dim)
     k = self.k_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
     v = self.v_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+  def out(self, attn):
+    """o_proj of the attention output [B, T, Hq, D]."""
+    b, t = attn.shape[:2]
+    return self.o_proj(attn.reshape(b, t, self.num_heads * self.head_dim))
+
+  def __call__(self, x, cos, sin, k_cache, v_cache, lengths, kv_indices, impl, mesh):
+    q, k, v = self.qkv(x, cos, sin)
     out, k_cache, v_cache = attention(q, k, v, k_cache, v_cache, lengths, kv_indices, impl, mesh)
-    out = self.o_proj(out.reshape(b, t, self.num_heads * self.head_dim))
-    return out, k_cache, v_cache, q
+    return self.out(out), k_cache, v_cache, q
 
 
 class MLP(nnx.Module):
@@ -137,12 +146,23 @@ class Block(nnx.Module):
     self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
     self.mlp = MLP(cfg, dtype, rngs)
 
+  # The step (`__call__`) and the layer-major prefill (`models/prefill.py`)
+  # share the per-token halves of a layer: `qkv` before the attention and
+  # `finish` after it; only the attention between them differs.
+  def qkv(self, x, cos, sin):
+    """(q, k, v) of the residual stream `x` [B, T, d] (see Attention.qkv)."""
+    return self.self_attn.qkv(self.input_layernorm(x), cos, sin)
+
+  def finish(self, x, attn):
+    """The residual stream after this layer, from its input `x` [B, T, d]
+    and the attention output `attn` [B, T, Hq, D]."""
+    x = x + self.self_attn.out(attn)
+    return x + self.mlp(self.post_attention_layernorm(x))
+
   def __call__(self, x, cos, sin, k_cache, v_cache, lengths, kv_indices, impl, mesh):
-    h, k_cache, v_cache, q = self.self_attn(
-        self.input_layernorm(x), cos, sin, k_cache, v_cache, lengths, kv_indices, impl, mesh)
-    x = x + h
-    x = x + self.mlp(self.post_attention_layernorm(x))
-    return x, k_cache, v_cache, q
+    q, k, v = self.qkv(x, cos, sin)
+    out, k_cache, v_cache = attention(q, k, v, k_cache, v_cache, lengths, kv_indices, impl, mesh)
+    return self.finish(x, out), k_cache, v_cache, q
 
 
 class Decoder(nnx.Module):

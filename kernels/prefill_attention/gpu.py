@@ -12,8 +12,8 @@ only, q/k/v of one dtype, head_dim a multiple of 8 and <= 256 on Hopper
 would change an f32 model's numbers, so they go to the blockwise reference
 (``prefill_attention_gpu`` says which ran through ``uses_cudnn``). Sequences
 of length 0 are given length 1 (cuDNN's behaviour on an empty row is not
-specified); rows past ``lengths`` are zeroed afterwards, as the reference
-returns them.
+specified); padding rows of k and v are zeroed before the call and rows past
+``lengths`` of the output after it, as the reference returns them.
 """
 from __future__ import annotations
 
@@ -40,9 +40,13 @@ def prefill_attention_gpu(q, k, v, lengths, *, scale=None, **tuning):
   if not uses_cudnn(q, k, v):
     return prefill_attention_reference(q, k, v, lengths, scale=scale, **tuning)
   lengths = lengths.astype(jnp.int32)
+  valid = jnp.arange(S, dtype=jnp.int32)[None, :] < lengths[:, None]
+  # padding rows zeroed: whatever they hold (NaN garbage too) cannot reach a
+  # valid row through a masked logit or a zero weight
+  zero = lambda x: jnp.where(valid[:, :, None, None], x, jnp.zeros((), x.dtype))
+  k, v = zero(k), zero(v)
   seq = jnp.maximum(lengths, 1)
   out = jax.nn.dot_product_attention(
       q, k, v, scale=common.default_scale(D, scale), is_causal=True,
       query_seq_lengths=seq, key_value_seq_lengths=seq, implementation="cudnn")
-  valid = jnp.arange(S, dtype=jnp.int32)[None, :] < lengths[:, None]
-  return jnp.where(valid[:, :, None, None], out, jnp.zeros((), out.dtype))
+  return zero(out)

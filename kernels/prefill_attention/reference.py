@@ -61,8 +61,11 @@ def prefill_attention_reference(q, k, v, lengths, *, scale=None, block_q=512,
   # [B, Hkv, Sp * G, D]: the G heads of a KV head next to each other per token
   qp = (q.astype(dt) * scale).reshape(B, Sp, Hkv, G, D).transpose(0, 2, 1, 3, 4)
   qp = qp.reshape(B, Hkv, Sp * G, D)
-  kt = k.astype(dt).transpose(0, 2, 1, 3)  # [B, Hkv, Sp, D]
-  vt = v.astype(dt).transpose(0, 2, 1, 3)
+  # [B, Hkv, Sp, D]; padding rows of V zeroed: a masked key's weight is 0,
+  # and 0 * (NaN or inf garbage) would still poison the row
+  kt = k.astype(dt).transpose(0, 2, 1, 3)
+  live = jnp.arange(Sp, dtype=jnp.int32)[None, :] < lengths[:, None]
+  vt = jnp.where(live[:, None, :, None], v.astype(dt).transpose(0, 2, 1, 3), 0.0)
   max_len = jnp.max(lengths)
   M = bq * G
   row_t = jnp.arange(M, dtype=jnp.int32) // G  # token (in its block) of each packed row

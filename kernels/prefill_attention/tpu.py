@@ -28,9 +28,11 @@ def prefill_attention_tpu(q, k, v, lengths, *, scale=None, block=512,
   Sp = common.round_up(S, blk)
   pad = ((0, 0), (0, Sp - S), (0, 0), (0, 0))
   scale = common.default_scale(D, scale)
+  valid = jnp.arange(S, dtype=jnp.int32)[None, :] < lengths[:, None]
+  zero = lambda x: jnp.where(valid[:, :, None, None], x, jnp.zeros((), x.dtype))
   qh = jnp.pad(q * jnp.asarray(scale, q.dtype), pad).transpose(0, 2, 1, 3)  # [B, Hq, Sp, D]
-  kh = jnp.pad(k, pad).transpose(0, 2, 1, 3)
-  vh = jnp.pad(v, pad).transpose(0, 2, 1, 3)
+  kh = jnp.pad(zero(k), pad).transpose(0, 2, 1, 3)  # padding rows zeroed (may be garbage)
+  vh = jnp.pad(zero(v), pad).transpose(0, 2, 1, 3)
   mask = sa.MultiHeadMask([sa.CausalMask((Sp, Sp)) for _ in range(Hq)])
   sizes = sa.BlockSizes(block_q=blk, block_kv=blk, block_kv_compute=blk)
   kernel = sa.make_splash_mha(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1,
@@ -39,5 +41,4 @@ def prefill_attention_tpu(q, k, v, lengths, *, scale=None, block=512,
   def one(qb, kb, vb, sb):
     return kernel(qb, kb, vb, segment_ids=sa.SegmentIds(q=sb, kv=sb))
   out = jax.vmap(one)(qh, kh, vh, seg).transpose(0, 2, 1, 3)[:, :S]
-  valid = jnp.arange(S, dtype=jnp.int32)[None, :] < lengths[:, None]
-  return jnp.where(valid[:, :, None, None], out, jnp.zeros((), out.dtype)).astype(q.dtype)
+  return zero(out.astype(q.dtype))
