@@ -59,7 +59,7 @@ def test_the_draft_runs_whole_on_every_device(models, rng, monkeypatch):
   split like the target, every layer of every draft pass adds some. No
   cache write (a scatter) crosses devices either way."""
   import re
-  from dustin_jax.spec import engine, step as step_mod
+  from dustin_jax.speculative import engine, step as step_mod
   from dustin_jax.speculative.step import bind_spec_step
   target, draft = models
   prompts = [rng.integers(0, 96, size=n).tolist() for n in (9, 14)]
