@@ -1,7 +1,7 @@
 """Every field a run can set, with its default; the other configs start here.
 
 Unknown keys are refused by ml_collections' config flags, so a misspelled
-`--config.dustin.budgett=512` fails instead of being ignored.
+`--config.selection.budgett=512` fails instead of being ignored.
 """
 
 import ml_collections
@@ -44,14 +44,15 @@ def base_config() -> ml_collections.ConfigDict:
   c.draft_sink = 16
   c.draft_window = 496
 
-  c.dustin = ml_collections.ConfigDict()
-  c.dustin.policy = "full"        # full | dustin | dustin_target | dustin_draft | streaming | quest | oracle
+  c.selection = ml_collections.ConfigDict()
+  # which KV rows the target verifies against (dustin_jax.selection.policies)
+  c.selection.policy = "full"     # full | dustin | dustin_target | dustin_draft | streaming | quest | oracle
   # unset (None): from the SRH file, else 512 / 16 / 64 / half the free budget
-  c.dustin.budget = ml_collections.FieldReference(None, field_type=int)
-  c.dustin.n_sink = ml_collections.FieldReference(None, field_type=int)
-  c.dustin.n_window = ml_collections.FieldReference(None, field_type=int)
-  c.dustin.m = ml_collections.FieldReference(None, field_type=int)
-  c.dustin.srh_file = ""          # JSON from scripts/profile_srh.py; "" = documented default heads
+  c.selection.budget = ml_collections.FieldReference(None, field_type=int)
+  c.selection.n_sink = ml_collections.FieldReference(None, field_type=int)
+  c.selection.n_window = ml_collections.FieldReference(None, field_type=int)
+  c.selection.m = ml_collections.FieldReference(None, field_type=int)
+  c.selection.srh_file = ""       # JSON from scripts/profile_srh.py; "" = documented default heads
 
   c.prompt = ""
   c.prompt_file = ""              # a text file: one prompt
@@ -65,6 +66,9 @@ def base_config() -> ml_collections.ConfigDict:
   c.impl = "auto"                 # attention kernels: auto | reference | gpu | tpu
   c.time_phases = False           # then GPU time per phase of the fused step (profiler trace)
   c.output_json = ""
+  # persistent XLA compilation cache: "auto" = <cache root>/xla (the cache
+  # root: $DUSTIN_JAX_CACHE, else ~/.cache/dustin_jax), a path, or "" (off)
+  c.compile_cache = "auto"
   c.progress = True
   # appended to XLA_FLAGS before JAX starts its backend (scripts.decode only);
   # the flags measured on the H200 and what they did: results/h200/README.md
@@ -90,6 +94,6 @@ def paper_shape_config(target_hf: dict, draft_hf: dict) -> ml_collections.Config
   c.max_new_tokens = 64
   c.gamma = 4
   c.draft_kv = "streaming"
-  c.dustin.policy = "dustin"
-  c.dustin.budget = 512
+  c.selection.policy = "dustin"
+  c.selection.budget = 512
   return c

@@ -25,6 +25,6 @@ def get_config():
   c.max_len = 1024
   c.max_new_tokens = 96
   c.gamma = 4
-  c.dustin.policy = "dustin"
-  c.dustin.srh_file = SRH_FILE
+  c.selection.policy = "dustin"
+  c.selection.srh_file = SRH_FILE
   return c

@@ -19,9 +19,9 @@ def get_config():
   c.prompt_len = 48
   c.max_len = 256
   c.max_new_tokens = 32
-  c.dustin.budget = 32
-  c.dustin.n_sink = 4
-  c.dustin.n_window = 8
-  c.dustin.m = 8
+  c.selection.budget = 32
+  c.selection.n_sink = 4
+  c.selection.n_window = 8
+  c.selection.m = 8
   c.progress = False
   return c

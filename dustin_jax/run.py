@@ -9,6 +9,7 @@ bad run fails in seconds with one message that names the input and the fix.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from typing import Any
@@ -19,13 +20,14 @@ from dustin_jax.assets import AssetError
 from dustin_jax.config import CheckpointError, ConfigError, ModelConfig
 from dustin_jax.decoding import InputError, Model, check_lengths
 from dustin_jax.sampling import SamplingConfig
+from dustin_jax.selection.policies import POLICIES as policy_registry
 from dustin_jax.speculative.step import DRAFT_KV_MODES, SpecConfig
 
 # what a run's inputs can cause (each message names the input and the fix);
 # anything else is a bug and keeps its traceback
 USER_ERRORS = (ConfigError, InputError, CheckpointError, AssetError)
 
-POLICIES = ("full", "dustin", "dustin_target", "dustin_draft", "streaming", "quest", "oracle")
+POLICIES = tuple(policy_registry)
 IMPLS = ("auto", "reference", "gpu", "tpu")
 # the files one of which a Hugging Face tokenizer directory holds
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json",
@@ -58,24 +60,24 @@ def validate(c) -> None:
   need(c.max_len >= 2, f"max_len must be >= 2, got {c.max_len}")
   need(c.prefill_chunk >= 1, f"prefill_chunk must be >= 1, got {c.prefill_chunk}")
   need(c.seed >= 0, f"seed must be >= 0, got {c.seed}")
-  d = c.dustin
-  need(d.policy in POLICIES, f"dustin.policy must be one of {POLICIES}, got {d.policy!r}")
+  d = c.selection
+  need(d.policy in POLICIES, f"selection.policy must be one of {POLICIES}, got {d.policy!r}")
   if speculative and d.policy != "full":
     # (the policy checks the values it resolves from the SRH file and defaults)
     if None not in (d.budget, d.n_sink, d.n_window):
       need(d.budget >= d.n_sink + d.n_window,
-           f"dustin.budget={d.budget} is smaller than dustin.n_sink + dustin.n_window = "
+           f"selection.budget={d.budget} is smaller than selection.n_sink + selection.n_window = "
            f"{d.n_sink} + {d.n_window}: raise the budget or shrink the sink/window")
       need(d.m is None or 0 <= d.m <= d.budget - d.n_sink - d.n_window,
-           f"dustin.m={d.m} must lie in [0, budget - n_sink - n_window = "
+           f"selection.m={d.m} must lie in [0, budget - n_sink - n_window = "
            f"{d.budget - d.n_sink - d.n_window}]")
     if d.srh_file:
-      _check_file(d.srh_file, "dustin.srh_file")
+      _check_file(d.srh_file, "selection.srh_file")
       from dustin_jax.selection.srh import load_srh
       try:
         load_srh(d.srh_file)  # its format now; its heads against the models later
       except UnicodeDecodeError:
-        raise ConfigError(f"dustin.srh_file {d.srh_file!r} is not UTF-8 text: give the JSON "
+        raise ConfigError(f"selection.srh_file {d.srh_file!r} is not UTF-8 text: give the JSON "
                           "written by scripts/profile_srh.py") from None
   sources = [k for k in ("prompt", "prompt_file", "prompts_jsonl") if c[k]]
   need(len(sources) <= 1, f"set at most one of prompt, prompt_file, prompts_jsonl (set: "
@@ -367,11 +369,11 @@ def eos_ids(tokenizer, cfg: ModelConfig) -> tuple[int, ...]:
 
 
 def make_policy(c, target: ModelConfig, draft: ModelConfig | None):
-  if c.dustin.policy == "full":
+  if c.selection.policy == "full":
     from dustin_jax.selection.base import FullCache
     return FullCache()
   from dustin_jax.selection.policies import policy_from_config
-  return policy_from_config(c.dustin, target, draft)
+  return policy_from_config(c.selection, target, draft)
 
 
 def spec_config(c, policy, eos: tuple[int, ...], mesh=None) -> SpecConfig:
@@ -387,7 +389,21 @@ def sampling_config(c) -> SamplingConfig:
     raise ConfigError(str(e)) from None
 
 
-def build(c) -> dict[str, Any]:
+@dataclasses.dataclass
+class Run:
+  """What a run config builds: the placed models, the tokenizer (None for
+  random weights), the encoded prompts and the step's settings."""
+  target: Model
+  draft: Model | None
+  tokenizer: Any
+  prompts: list[list[int]]
+  eos: tuple[int, ...]
+  spec: SpecConfig
+  mesh: Any
+  memory_plan: Any
+
+
+def build(c) -> Run:
   """Validate, plan memory, load models (sharded) and tokenizer, encode prompts.
 
   Everything but the weights is read and checked first (prompt files, model
@@ -433,6 +449,6 @@ def build(c) -> dict[str, Any]:
   else:  # plain decoding verifies nothing
     from dustin_jax.selection.base import FullCache
     policy = FullCache()
-  return dict(target=target, draft=draft, tokenizer=tokenizer, prompts=prompts, eos=eos,
-              spec=spec_config(c, policy, eos, mesh), mesh=mesh, memory_plan=plan)
+  return Run(target=target, draft=draft, tokenizer=tokenizer, prompts=prompts, eos=eos,
+             spec=spec_config(c, policy, eos, mesh), mesh=mesh, memory_plan=plan)
 

@@ -2,11 +2,12 @@ r"""Decode text (or random prompts) with speculative or plain decoding.
 
   python -m scripts.decode --config=configs/demo.py
   python -m scripts.decode --config=configs/tiny.py --config.gamma=2 \
-      --config.dustin.policy=dustin --config.output_json=/tmp/out.json
+      --config.selection.policy=dustin --config.output_json=/tmp/out.json
 
 Prints the generated text of every sequence and a stats block (tokens/s,
-mean accepted length tau, acceptance rate; with `--config.time_phases` the
-GPU time per phase of the fused step); `--config.output_json` writes the
+mean accepted length tau, acceptance rate, and the wall clock a user waits:
+load, prefill, compile, time to first token, decode; with
+`--config.time_phases` the GPU time per phase of the fused step); `--config.output_json` writes the
 same as JSON with the token ids and text of every sequence under
 `sequences`.
 
@@ -36,53 +37,61 @@ flags.mark_flags_as_required(["config"])
 def run(c) -> dict:
   import jax
   from dustin_jax import run as runlib
+  from dustin_jax.compilation import CompileClock
   from dustin_jax.speculative.engine import generate_speculative, init_state
   from dustin_jax.speculative.step import bind_spec_step
   from dustin_jax.vanilla import generate
 
   t0 = time.perf_counter()
-  b = runlib.build(c)
+  with CompileClock() as clock:
+    b = runlib.build(c)
   load_s = time.perf_counter() - t0
-  target, draft, tok, spec = b["target"], b["draft"], b["tokenizer"], b["spec"]
   common = dict(max_new_tokens=c.max_new_tokens, max_len=c.max_len, seed=c.seed,
                 chunk=c.prefill_chunk, progress=c.progress)
   if c.method == "vanilla":
-    seqs, stats = generate(target, b["prompts"], sampling=spec.sampling, eos_ids=b["eos"],
-                           impl=c.impl, mesh=b["mesh"], **common)
+    seqs, stats = generate(b.target, b.prompts, sampling=b.spec.sampling, eos_ids=b.eos,
+                           impl=c.impl, mesh=b.mesh, **common)
   else:
-    seqs, stats = generate_speculative(target, draft, b["prompts"], cfg=spec, **common)
+    seqs, stats = generate_speculative(b.target, b.draft, b.prompts, cfg=b.spec, **common)
+  total_s = time.perf_counter() - t0
   phases = None
   if c.time_phases and c.method == "speculative":
     from scripts.benchmarking import phase_device_ms
-    st = init_state(target, draft, b["prompts"], cfg=spec, max_new_tokens=c.max_new_tokens,
+    st = init_state(b.target, b.draft, b.prompts, cfg=b.spec, max_new_tokens=c.max_new_tokens,
                     max_len=c.max_len, seed=c.seed, chunk=c.prefill_chunk)
-    phases, _ = phase_device_ms(bind_spec_step(target, draft, spec), st, steps=3)
-  result = {
-      "method": c.method, "policy": c.dustin.policy if c.method == "speculative" else None,
+    phases, _ = phase_device_ms(bind_spec_step(b.target, b.draft, b.spec), st, steps=3)
+  wall = dict(load_s=load_s, prefill_s=stats.prefill_s, decode_s=stats.decode_s, total_s=total_s,
+              compile_s=clock.seconds + stats.compile_s,
+              time_to_first_token_s=load_s + stats.prefill_s + stats.first_step_s)
+  return {
+      "method": c.method, "policy": c.selection.policy if c.method == "speculative" else None,
       "gamma": c.gamma if c.method == "speculative" else None,
-      "device": str(jax.devices()[0].device_kind), "load_s": load_s,
-      "mesh": dict(b["mesh"].shape),
-      "memory_plan_bytes": {k: getattr(b["memory_plan"], k) for k in
+      "device": str(jax.devices()[0].device_kind), "mesh": dict(b.mesh.shape),
+      "compile_cache": jax.config.jax_compilation_cache_dir or None,
+      "memory_plan_bytes": {k: getattr(b.memory_plan, k) for k in
                             ("weights", "target_cache", "draft_cache", "workspace", "total")},
-      "stats": stats.as_dict(), "time_phases": bool(c.time_phases), "phase_ms": phases,
-      "sequences": [{"tokens": s, "text": tok.decode(s, skip_special_tokens=True) if tok else None}
-                    for s in seqs],
+      "wall": wall, "stats": stats.as_dict(), "time_phases": bool(c.time_phases),
+      "phase_ms": phases,
+      "sequences": [{"tokens": s, "text": (b.tokenizer.decode(s, skip_special_tokens=True)
+                                          if b.tokenizer else None)} for s in seqs],
   }
-  return result
 
 
 def print_result(r) -> None:
   for i, s in enumerate(r["sequences"]):
     print(f"\n=== sequence {i} ({len(s['tokens'])} tokens) ===")
     print(s["text"] if s["text"] is not None else s["tokens"])
-  st = r["stats"]
+  st, w = r["stats"], r["wall"]
   print("\n=== stats ===")
   spec = f"  policy {r['policy']}  gamma {r['gamma']}" if r["policy"] else ""
   print(f"method {r['method']}{spec}  device {r['device']}")
-  print(f"tokens {st['tokens']}  steps {st['steps']}  decode {st['decode_s']:.2f} s  "
-        f"prefill {st['prefill_s']:.2f} s  load {r['load_s']:.1f} s")
-  print(f"tokens/s {st['tokens_per_s']:.2f}  tau {st['tau']:.2f}  "
-        f"acceptance rate {st['acceptance_rate']:.2f}")
+  print(f"wall {w['total_s']:.1f} s: load {w['load_s']:.1f} s, prefill {w['prefill_s']:.1f} s, "
+        f"decode {w['decode_s']:.1f} s; of these compile {w['compile_s']:.1f} s "
+        f"(compilation cache: {r['compile_cache'] or 'off'})")
+  print(f"time to first token {w['time_to_first_token_s']:.1f} s  "
+        f"prefill {st['prompt_tokens']} tokens, {st['prefill_tokens_per_s']:.0f} tokens/s")
+  print(f"decode {st['tokens']} tokens in {st['steps']} steps, {st['tokens_per_s']:.2f} tokens/s "
+        f"(compile excluded)  tau {st['tau']:.2f}  acceptance rate {st['acceptance_rate']:.2f}")
   if r["phase_ms"]:
     print("GPU time per phase (ms): "
           + "  ".join(f"{k} {v:.2f}" for k, v in r["phase_ms"].items()))
@@ -156,6 +165,13 @@ def main(argv):
   try:
     if c.output_json:
       check_output(c.output_json)
+    if c.compile_cache:
+      from dustin_jax.compilation import enable_persistent_cache
+      try:
+        enable_persistent_cache(None if c.compile_cache == "auto" else c.compile_cache)
+      except OSError as e:
+        _fail(f"compile_cache {c.compile_cache!r}: cannot use {e.filename!r} ({e.strerror}): "
+              "give a writable directory, or --config.compile_cache='' to compile every run")
     r = run(c)
   except USER_ERRORS as e:
     _fail(e)
@@ -194,6 +210,10 @@ def parse_flags(argv):
   """absl flag parsing, with each config problem (a missing or broken
   config file, an unknown key, a bad value, a stray argument) as one line
   instead of a traceback."""
+  old = [a for a in argv if a.startswith("--config.dustin.")]
+  if old:
+    _fail(f"{old[0].split('=')[0]} is not a config key: the verification set's settings are "
+          f"--config.selection.* (e.g. {old[0].replace('--config.dustin.', '--config.selection.')})")
   try:
     rest = flags.FLAGS(argv)
     _CONFIG.value.get("method")  # a config file that failed to load raises here

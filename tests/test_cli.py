@@ -22,7 +22,7 @@ def test_decode_tiny_writes_json(tmp_path, capsys):
   from configs import tiny
   from scripts.decode import print_result, run
   c = tiny.get_config()
-  c.dustin.policy, c.time_phases = "dustin", True
+  c.selection.policy, c.time_phases = "dustin", True
   r = run(c)
   print_result(r)
   out = capsys.readouterr().out
@@ -60,12 +60,12 @@ def _refused(*overrides, config="configs/tiny.py"):
 
 @pytest.mark.parametrize("override,message", [
     ("--config.gamma=0", "gamma must be >= 1"),
-    ("--config.dustin.polcy=dustin", 'Did you mean "policy"'),
-    ("--config.dustin.budget=8", "dustin.budget=8 is smaller than"),
+    ("--config.selection.polcy=dustin", 'Did you mean "policy"'),
+    ("--config.selection.budget=8", "selection.budget=8 is smaller than"),
     ("--config.mem_fraction=1.5", "mem_fraction=1.5 must be in (0, 1]"),
 ])
 def test_bad_config_fails_with_one_clear_message(override, message):
-  args = [override] + (["--config.dustin.policy=dustin"] if "budget" in override else [])
+  args = [override] + (["--config.selection.policy=dustin"] if "budget" in override else [])
   code, last = _cli(*args)
   assert code != 0 and message in last and last.startswith("error:")
 
@@ -104,7 +104,7 @@ def test_missing_config_file():
 
 def test_oracle_decodes_and_writes_json_atomically_into_a_new_directory(tmp_path):
   out = tmp_path / "new" / "dir" / "out.json"  # its directory is made before decoding
-  p = _run_cli("--config.dustin.policy=oracle", "--config.time_phases=True",
+  p = _run_cli("--config.selection.policy=oracle", "--config.time_phases=True",
                "--config.max_new_tokens=8", f"--config.output_json={out}")
   assert p.returncode == 0, p.stderr
   assert "=== sequence 1 (8 tokens) ===" in p.stdout and "policy oracle" in p.stdout
@@ -164,7 +164,7 @@ def test_vanilla_method_ignores_the_policy():
   from configs import tiny
   from scripts.decode import run
   c = tiny.get_config()
-  c.method, c.dustin.policy, c.time_phases = "vanilla", "dustin", False
+  c.method, c.selection.policy, c.time_phases = "vanilla", "dustin", False
   r = run(c)
   assert r["stats"]["tau"] == 1.0 and all(len(s["tokens"]) == c.max_new_tokens
                                           for s in r["sequences"])
@@ -277,7 +277,7 @@ def test_prompt_file_contents_in_process(tmp_path):
 def test_srh_file_that_is_not_json(tmp_path):
   srh = tmp_path / "srh.json"
   srh.write_text("not json")
-  assert _refused("--config.dustin.policy=dustin", f"--config.dustin.srh_file={srh}") == (
+  assert _refused("--config.selection.policy=dustin", f"--config.selection.srh_file={srh}") == (
       f"error: SRH file '{srh}' is not valid JSON: Expecting value: line 1 column 1 (char 0)")
 
 
