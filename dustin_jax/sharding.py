@@ -115,14 +115,6 @@ def _on(size: int, mesh_axis: str | None, mesh: Mesh):
   return mesh_axis if mesh_axis and size % mesh.shape[mesh_axis] == 0 else None
 
 
-def place_model(cfg: ModelConfig, graphdef, state, mesh: Mesh):
-  """Transitional alias of `weights.place_model` for callers not yet
-  switched; it is the one import of the weights layer here (an import
-  cycle): delete it once nothing calls `sharding.place_model`."""
-  from dustin_jax import weights
-  return weights.place_model(cfg, graphdef, state, mesh)
-
-
 def leaves_with_paths(tree) -> list[tuple[tuple, object]]:
   """(path, leaf) of every leaf of a pure dict, each path a tuple of plain
   keys and list indices (`("layers", 0, "mlp", "up_proj", "kernel")`): the

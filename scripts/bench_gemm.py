@@ -59,9 +59,9 @@ def split_k_dot(x, w, splits: int):
 
 
 def plain_dot(x, w):
-  """The f32 product cast to bf16: how `Linear` computed every projection
-  when results/h200/gemm.json was measured (bias-free projections now ask
-  the GEMM for bf16 directly, dustin_jax/models/decoder.py)."""
+  """The f32 product cast to bf16 (an f32 GEMM result and a separate
+  convert), beside `Linear`'s bias-free projections, which ask the GEMM for
+  bf16 directly (dustin_jax/models/decoder.py)."""
   import jax.numpy as jnp
   return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
 

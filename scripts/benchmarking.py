@@ -20,11 +20,12 @@ import tempfile
 import jax
 import jax.numpy as jnp
 
-from dustin_jax import sharding
+from dustin_jax.cache import KVCache, cache_shardings
+from dustin_jax.config import ModelConfig
 from dustin_jax.decoding import DecodeState, Model
 from dustin_jax.sharding import shard_batch_tree
 from dustin_jax.speculative.step import SpecConfig, SpecState
-from dustin_jax.weights import random_params
+from dustin_jax.weights import place_model, random_fill, random_params
 
 
 def load_trace_events(trace_dir: str) -> list:
@@ -140,8 +141,24 @@ def random_model(cfg, seed: int, mesh=None):
   `mesh` (KV heads replicated where the model axis needs it)."""
   graphdef, state = random_params(cfg, seed=seed, mesh=mesh)
   if mesh is not None:
-    cfg, graphdef, state = sharding.place_model(cfg, graphdef, state, mesh)
+    cfg, graphdef, state = place_model(cfg, graphdef, state, mesh)
   return Model(cfg, graphdef, state)
+
+
+def random_cache(cfg: ModelConfig, batch: int, max_len: int, context: int, seed: int,
+                 mesh=None) -> KVCache:
+  """A cache of random rows (`weights.random_fill`), committed up to
+  `context`; made by one program, under `mesh` directly in its shards
+  (`cache.cache_shardings`), never whole on one device."""
+  shape = (batch, cfg.num_kv_heads, max_len, cfg.head_dim)
+  dt = jnp.dtype(cfg.dtype)
+  def make():
+    rows = lambda s: tuple(random_fill(shape, dt, "uniform", s + i) for i in range(cfg.num_layers))
+    return KVCache(k=rows(seed), v=rows(seed + 7919),
+                   lengths=jnp.full((batch,), context, jnp.int32))
+  if mesh is None:
+    return jax.jit(make)()
+  return jax.jit(make, out_shardings=cache_shardings(cfg, mesh))()
 
 
 def fresh_decode_state(batch: int, mesh=None):

@@ -415,8 +415,8 @@ def write_report(records, out_dir):
            "agreement = share of `full`'s generated tokens reproduced at the same position "
            "(a greedy divergence cascades); tf agreement = the same per position when both are "
            "teacher-forced on the real continuation; "
-           "ARR = attention recovery rate of the verification sets actually used (METHOD.md "
-           "§4); ppl = teacher-forced perplexity of the real continuation with every block "
+           "ARR = attention recovery rate of the verification sets actually used "
+           "(dustin_jax/selection/arr.py); ppl = teacher-forced perplexity of the real continuation with every block "
            "of gamma+1 tokens verified against the policy's set; accuracy = task score "
            "(dustin_jax/eval/tasks.py), averaged over tasks.", ""]
   models = sorted({r["model"] for r in records})

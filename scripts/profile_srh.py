@@ -120,7 +120,7 @@ def main(argv):
       runtime_s=dict(collect_when_recorded=round(sum(d["seconds"] for d in data.items), 1),
                      collect_this_run=round(collect_s, 1), search=round(res.seconds, 1),
                      total_this_run=round(time.perf_counter() - t_all, 1)),
-      arr_definition="METHOD.md §4 [ours], selection/arr.py; mean over calibration steps")
+      arr_definition="dustin_jax/selection/arr.py; mean over calibration steps")
   srh = SRHConfig(target=pair.target_name, draft=pair.draft_name,
                   draft_heads=res.draft_heads, target_heads=res.target_heads, m=res.m,
                   n_sink=FLAGS.n_sink, n_window=res.n_window, budget=FLAGS.budget,

@@ -26,12 +26,11 @@ def test_bench_e2e_smoke_schema(tmp_path):
     assert not r.get("error"), r
     assert keys <= r.keys() and r["step_ms"] > 0
   sd = next(r for r in recs if r["method"] == "sd_full")
-  assert sd["tau"] == 2.5 and set(sd["phase_ms"]) >= {"draft", "select", "verify", "commit"}
+  # per-phase times are GPU kernel time from a trace: none on the CPU
+  assert sd["tau"] == 2.5 and sd["phase_ms"] is None
   van = next(r for r in recs if r["method"] == "vanilla" and r["context"] == sd["context"])
   assert sd["speedup_vs_vanilla"] == pytest.approx(2.5 * van["step_ms"] / sd["step_ms"])
   assert sd["tokens_per_s"] == pytest.approx(2 * 2.5 / (sd["step_ms"] / 1e3))
-  dus = next(r for r in recs if r["method"] == "dustin")
-  assert "estimate_isolated" in dus["phase_ms"]
 
 
 def test_bench_e2e_shards_the_step_over_a_mesh(tmp_path):

@@ -68,7 +68,8 @@ def test_equals_chunked_prefill_bf16(tiny_qwen, rng):
   old, new = both(model, prompts, 80, token_block=32)
   assert new.k[0].dtype == jnp.bfloat16
   # bf16 activations: the two orders of the same math round differently
-  assert_same(model, prompts, old, new, atol=0.1, logit_atol=0.1)
+  # (measured: KV rows within 1 ulp (4e-3 at |x| ~0.7), logits within 3e-3)
+  assert_same(model, prompts, old, new, atol=2e-2, logit_atol=2e-2)
 
 
 def test_bucket_and_tiles_with_a_remainder(tiny_llama, rng):

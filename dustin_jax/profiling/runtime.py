@@ -1,6 +1,6 @@
 """Shared machinery of the offline profiling and the long-context evaluation.
 
-* `load_pair("real" | "tiny")`: the real offline pair of EVAL_ASSETS.md
+* `load_pair("real" | "tiny")`: the real offline pair of `dustin_jax.assets`
   (Qwen2.5-Coder-1.5B target, 0.5B draft, their tokenizer) or two tiny random
   models with a byte tokenizer (smoke tests);
 * `prefill_base`: ONE prefill of both models per batch of prompts; every

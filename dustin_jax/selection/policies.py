@@ -347,6 +347,9 @@ class Oracle(PolicyDefaults):
     return {**signals, "w": w}
 
   def select(self, signals, target_cache, gamma):
+    if "w" not in signals:
+      raise ValueError("the oracle ranks rows by this step's own verify queries: its signal "
+                       "comes from observe_full_verify, after a full-cache target pass")
     lengths, s = target_cache.lengths, target_cache.max_len
     idx, _ = top_tier(signals["w"], committed_mask(lengths, s), self.budget)
     return sort_and_pad(idx, self.budget)

@@ -52,6 +52,7 @@ CASES = [  # B, S, Hq, Hkv, D, lengths, block_q, block_k
     (2, 70, 6, 6, 8, [5, 70], 64, 32),             # G = 1, one query block + a tail
     (4, 96, 8, 4, 16, [96, 1, 50, 95], 32, 32),    # G = 2
     (1, 33, 7, 1, 8, [33], 8, 8),                  # MQA, many small blocks
+    (2, 100, 4, 2, 16, [100, 60], 16, 64),         # key blocks wider than query blocks
 ]
 
 
