@@ -62,7 +62,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.prompt_len = 128              # random-weights runs: their length
   c.max_len = 4096
   c.max_new_tokens = 64
-  c.prefill_chunk = 256
+  c.prefill_block = 8192         # tokens per tile of the prefill's per-token work (memory)
   c.impl = "auto"                 # attention kernels: auto | reference | gpu | tpu
   c.time_phases = False           # then GPU time per phase of the fused step (profiler trace)
   c.output_json = ""

@@ -2,6 +2,11 @@
 
 The last prompt token is the first pending token of the decode (see
 `decoding`), so the cache holds `prompt[:-1]` and `lengths[b] = len(prompt) - 1`.
+
+`prefill` runs the prompts layer-major with causal flash attention over the
+prompt only (`models.prefill`): the fast path. `prefill_chunked` runs them
+through the step's decoder in chunks, each attending over the whole cache
+with a mask: the reference the fast path is tested against.
 """
 
 from __future__ import annotations
@@ -16,8 +21,30 @@ from flax import nnx
 
 from dustin_jax.cache import KVCache
 from dustin_jax.decoding import InputError, Model
+from dustin_jax.models.prefill import DEFAULT_TOKEN_BLOCK, pack_prompts, prefill_cache
 from dustin_jax.progress import progress as progress_bar
 from dustin_jax.sharding import shard_batch_tree
+
+
+def prefill(model: Model, cache: KVCache, prompts: Sequence[Sequence[int]], *,
+            token_block: int = DEFAULT_TOKEN_BLOCK, impl: str = "auto", mesh=None) -> KVCache:
+  """Write `prompt[:-1]` of each (ragged) prompt into an empty cache (lengths
+  0) and return it with `lengths[b] = len(prompt) - 1`: one jitted call per
+  padded length (`models.prefill.bucket_len`), the per-token work in tiles
+  of `token_block` tokens."""
+  if len(prompts) != cache.batch:
+    raise InputError(f"{len(prompts)} prompts for a batch of {cache.batch}")
+  longest = max((len(p) - 1 for p in prompts), default=0)
+  if longest > cache.max_len:
+    raise InputError(f"prompt of {longest + 1} tokens does not fit a cache of "
+                     f"max_len {cache.max_len}")
+  if longest <= 0:
+    return cache  # nothing to write: every prompt is its pending token
+  tok, n = (jnp.asarray(x) for x in pack_prompts(prompts, cache.max_len))
+  if mesh is not None:
+    tok, n = shard_batch_tree((tok, n), mesh)
+  return prefill_cache(model.graphdef, model.state, cache, tok, n, impl=impl,
+                       token_block=token_block, mesh=mesh)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "impl", "mesh"),
@@ -28,12 +55,11 @@ def _prefill_chunk(graphdef, state, cache: KVCache, tokens, n_valid, impl="auto"
   return cache.commit(n_valid)
 
 
-def prefill(model: Model, cache: KVCache, prompts: Sequence[Sequence[int]], *,
-            chunk: int = 256, impl: str = "auto", mesh=None,
-            progress: bool = False) -> KVCache:
-  """Write `prompt[:-1]` of each (ragged) prompt into an empty cache, in
-  chunks of `chunk` tokens so that a long prompt never builds an S x S mask.
-  Returns the cache; the last prompt tokens are the pending tokens."""
+def prefill_chunked(model: Model, cache: KVCache, prompts: Sequence[Sequence[int]], *,
+                    chunk: int = 256, impl: str = "auto", mesh=None,
+                    progress: bool = False) -> KVCache:
+  """`prefill` through the step's decoder, in chunks of `chunk` tokens that
+  attend over the whole cache with a mask (the reference path)."""
   b = cache.batch
   if len(prompts) != b:
     raise InputError(f"{len(prompts)} prompts for a batch of {b}")

@@ -58,7 +58,7 @@ def validate(c) -> None:
        ">= 1")
   need(c.max_new_tokens >= 1, f"max_new_tokens must be >= 1, got {c.max_new_tokens}")
   need(c.max_len >= 2, f"max_len must be >= 2, got {c.max_len}")
-  need(c.prefill_chunk >= 1, f"prefill_chunk must be >= 1, got {c.prefill_chunk}")
+  need(c.prefill_block >= 1, f"prefill_block must be >= 1, got {c.prefill_block}")
   need(c.seed >= 0, f"seed must be >= 0, got {c.seed}")
   d = c.selection
   need(d.policy in POLICIES, f"selection.policy must be one of {POLICIES}, got {d.policy!r}")

@@ -16,6 +16,7 @@ from dustin_jax.compilation import CompileClock
 from dustin_jax.decoding import (DecodeState, DecodeStats, Model, StepOutput, check_lengths,
                                  emit)
 from dustin_jax.loop import decode_loop
+from dustin_jax.models.prefill import DEFAULT_TOKEN_BLOCK
 from dustin_jax.prefill import prefill
 from dustin_jax.sampling import SamplingConfig, probs, sample
 from dustin_jax.sharding import shard_batch_tree
@@ -56,12 +57,12 @@ def bind_vanilla_step(model: Model, *, sampling: SamplingConfig = SamplingConfig
 
 
 def init_vanilla_state(model: Model, prompts, *, max_new_tokens: int, max_len: int, seed: int = 0,
-                       chunk: int = 256, impl: str = "auto", mesh=None,
-                       progress: bool = False) -> VanillaState:
+                       token_block: int = DEFAULT_TOKEN_BLOCK, impl: str = "auto",
+                       mesh=None) -> VanillaState:
   """Prefill `prompt[:-1]` and set up the decode state."""
   check_lengths([len(p) for p in prompts], max_new_tokens, max_len)
   cache = KVCache.init(model.cfg, len(prompts), max_len, mesh=mesh)
-  cache = prefill(model, cache, prompts, chunk=chunk, impl=impl, mesh=mesh, progress=progress)
+  cache = prefill(model, cache, prompts, token_block=token_block, impl=impl, mesh=mesh)
   ds = DecodeState.init(prompts, max_new_tokens, jax.random.key(seed))
   if mesh is not None:
     ds = shard_batch_tree(ds, mesh)
@@ -70,7 +71,7 @@ def init_vanilla_state(model: Model, prompts, *, max_new_tokens: int, max_len: i
 
 def generate(model: Model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
              max_len: int, sampling: SamplingConfig = SamplingConfig(),
-             eos_ids: tuple[int, ...] = (), seed: int = 0, chunk: int = 256,
+             eos_ids: tuple[int, ...] = (), seed: int = 0, token_block: int = DEFAULT_TOKEN_BLOCK,
              impl: str = "auto", mesh=None, progress: bool = False):
   """Plain autoregressive decoding of a ragged batch, the baseline.
   Returns (token lists, DecodeStats)."""
@@ -78,8 +79,8 @@ def generate(model: Model, prompts: Sequence[Sequence[int]], *, max_new_tokens: 
   t0 = time.perf_counter()
   with CompileClock() as clock:
     st = jax.block_until_ready(init_vanilla_state(
-        model, prompts, max_new_tokens=max_new_tokens, max_len=max_len, seed=seed, chunk=chunk,
-        impl=impl, mesh=mesh, progress=progress))
+        model, prompts, max_new_tokens=max_new_tokens, max_len=max_len, seed=seed, token_block=token_block,
+        impl=impl, mesh=mesh))
   stats.prefill_s, stats.prefill_compile_s = time.perf_counter() - t0, clock.seconds
   step = bind_vanilla_step(model, sampling=sampling, eos_ids=eos_ids, impl=impl, mesh=mesh)
   tokens, _ = decode_loop(step, st, stats, progress=progress,

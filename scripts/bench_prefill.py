@@ -59,6 +59,8 @@ flags.DEFINE_integer("repeats", 1, "timed calls per measurement (median)")
 flags.DEFINE_integer("warmup", -1, "untimed calls after compiling (-1: 1 on GPU/TPU, 0 on CPU, "
                      "where one call of the real pair takes minutes)")
 flags.DEFINE_float("time_budget_s", 0, "stop starting new configurations after this long (0: none)")
+flags.DEFINE_string("compile_cache_dir", "/tmp/dustin_jax_compile_cache",
+                    "persistent XLA compilation cache (a re-run skips the compiles; empty: off)")
 flags.DEFINE_bool("smoke", False, "tiny random pair (configs.tiny), for the CPU schema test")
 FLAGS = flags.FLAGS
 
@@ -130,6 +132,7 @@ def _timed(fn, warmup, repeats):
 
 def time_new(model, prompts, max_len, impl, token_block, warmup, repeats):
   """(compile_s, run_s, cache) of the layer-major prefill of `prompts`."""
+  import jax
   import jax.numpy as jnp
   from dustin_jax.cache import KVCache
   from dustin_jax.models import prefill as lm
@@ -137,8 +140,8 @@ def time_new(model, prompts, max_len, impl, token_block, warmup, repeats):
   tok, n = jnp.asarray(tok), jnp.asarray(n)
   fresh = lambda: KVCache.init(model.cfg, len(prompts), max_len)
   t0 = time.perf_counter()
-  compiled = lm.prefill_cache.lower(model.graphdef, model.state, fresh(), tok, n, impl=impl,
-                                    token_block=token_block).compile()
+  compiled = lm.prefill_cache.lower(model.graphdef, model.state, jax.eval_shape(fresh), tok, n,
+                                    impl=impl, token_block=token_block).compile()
   compile_s = time.perf_counter() - t0
   run_s, cache = _timed(lambda: compiled(model.state, fresh(), tok, n), warmup, repeats)
   return compile_s, run_s, cache
@@ -148,7 +151,7 @@ def time_old(model, prompts, max_len, chunk, repeats):
   """(run_s, cache) of the chunked prefill, its one program compiled first
   by a prefill of one chunk."""
   from dustin_jax.cache import KVCache
-  from dustin_jax.prefill import prefill
+  from dustin_jax.prefill import prefill_chunked as prefill
   b = len(prompts)
   warm = [p[:chunk + 1] for p in prompts]
   prefill(model, KVCache.init(model.cfg, b, max_len), warm, chunk=chunk)
@@ -223,6 +226,9 @@ def load_real_pair():
 def main(argv):
   del argv
   import jax
+  if FLAGS.compile_cache_dir:
+    jax.config.update("jax_compilation_cache_dir", FLAGS.compile_cache_dir)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
   from dustin_jax.config import ModelConfig
   from dustin_jax.models import prefill as lm
   from scripts.benchmarking import random_model

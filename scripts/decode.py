@@ -47,7 +47,7 @@ def run(c) -> dict:
     b = runlib.build(c)
   load_s = time.perf_counter() - t0
   common = dict(max_new_tokens=c.max_new_tokens, max_len=c.max_len, seed=c.seed,
-                chunk=c.prefill_chunk, progress=c.progress)
+                token_block=c.prefill_block, progress=c.progress)
   if c.method == "vanilla":
     seqs, stats = generate(b.target, b.prompts, sampling=b.spec.sampling, eos_ids=b.eos,
                            impl=c.impl, mesh=b.mesh, **common)
@@ -58,7 +58,7 @@ def run(c) -> dict:
   if c.time_phases and c.method == "speculative":
     from scripts.benchmarking import phase_device_ms
     st = init_state(b.target, b.draft, b.prompts, cfg=b.spec, max_new_tokens=c.max_new_tokens,
-                    max_len=c.max_len, seed=c.seed, chunk=c.prefill_chunk)
+                    max_len=c.max_len, seed=c.seed, token_block=c.prefill_block)
     phases, _ = phase_device_ms(bind_spec_step(b.target, b.draft, b.spec), st, steps=3)
   wall = dict(load_s=load_s, prefill_s=stats.prefill_s, decode_s=stats.decode_s, total_s=total_s,
               compile_s=clock.seconds + stats.compile_s,

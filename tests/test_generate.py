@@ -22,7 +22,7 @@ def test_greedy_generate_matches_transformers_ragged(tiny_llama, rng):
   path, hf = tiny_llama
   model = Model(*load_hf_checkpoint(path, dtype="float32"))
   prompts = [rng.integers(0, 97, size=n).tolist() for n in (9, 3, 14)]
-  ours, stats = generate(model, prompts, max_new_tokens=12, max_len=40, chunk=8)
+  ours, stats = generate(model, prompts, max_new_tokens=12, max_len=40, token_block=8)
   assert stats.tokens == 36 and stats.tau == 1.0
   for p, o in zip(prompts, ours):
     assert o == hf_greedy(hf, p, 12)
@@ -61,13 +61,13 @@ def test_bound_step_compiles_once_and_binds_its_params(tiny_llama, rng):
   prompts = [rng.integers(0, 97, size=n).tolist() for n in (5, 8)]
   step = bind_vanilla_step(model, sampling=SamplingConfig())
   before = step.compiled_count()
-  first, _ = generate(model, prompts, max_new_tokens=6, max_len=24, chunk=8)
-  again, _ = generate(model, prompts, max_new_tokens=6, max_len=24, chunk=8)
+  first, _ = generate(model, prompts, max_new_tokens=6, max_len=24, token_block=8)
+  again, _ = generate(model, prompts, max_new_tokens=6, max_len=24, token_block=8)
   assert again == first
   # both calls (and all their steps) ran one executable, compiled once
   assert step.compiled_count() == before + 1
   # the params are bound when binding: other params, other tokens
   zeroed = Model(model.cfg, model.graphdef,
                  jax.tree_util.tree_map(lambda x: x * 0.5, model.state))
-  other, _ = generate(zeroed, prompts, max_new_tokens=6, max_len=24, chunk=8)
+  other, _ = generate(zeroed, prompts, max_new_tokens=6, max_len=24, token_block=8)
   assert other != first

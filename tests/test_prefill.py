@@ -29,8 +29,8 @@ def next_logits(model: Model, cache: KVCache, prompts):
 
 def both(model, prompts, max_len, **kw):
   b = len(prompts)
-  old = chunked.prefill(model, KVCache.init(model.cfg, b, max_len), prompts, chunk=16)
-  new = layer_major.prefill(model, KVCache.init(model.cfg, b, max_len), prompts, **kw)
+  old = chunked.prefill_chunked(model, KVCache.init(model.cfg, b, max_len), prompts, chunk=16)
+  new = chunked.prefill(model, KVCache.init(model.cfg, b, max_len), prompts, **kw)
   return old, new
 
 
@@ -68,8 +68,11 @@ def test_equals_chunked_prefill_bf16(tiny_qwen, rng):
   old, new = both(model, prompts, 80, token_block=32)
   assert new.k[0].dtype == jnp.bfloat16
   # bf16 activations: the two orders of the same math round differently
-  # (measured: KV rows within 1 ulp (4e-3 at |x| ~0.7), logits within 3e-3)
-  assert_same(model, prompts, old, new, atol=2e-2, logit_atol=2e-2)
+  # (measured on CPU: KV rows within 1 ulp (4e-3 at |x| ~0.7), logits within
+  # 3e-3); on GPU the new path's attention is cuDNN's, which also rounds the
+  # softmax weights to bf16 before their product with V
+  tol = 6e-2 if jax.default_backend() == "gpu" else 2e-2
+  assert_same(model, prompts, old, new, atol=tol, logit_atol=tol)
 
 
 def test_bucket_and_tiles_with_a_remainder(tiny_llama, rng):
@@ -79,7 +82,7 @@ def test_bucket_and_tiles_with_a_remainder(tiny_llama, rng):
   model = load(tiny_llama[0], "float32")
   prompts = [rng.integers(0, 97, size=n + 1).tolist() for n in (69, 24, 3)]
   b = len(prompts)
-  old = chunked.prefill(model, KVCache.init(model.cfg, b, 70), prompts, chunk=16)
+  old = chunked.prefill_chunked(model, KVCache.init(model.cfg, b, 70), prompts, chunk=16)
   tok = np.zeros((b, 70), np.int32)
   for i, p in enumerate(prompts):
     tok[i, :len(p) - 1] = p[:-1]
@@ -106,12 +109,12 @@ def test_bucket_len():
 
 def test_nothing_to_write_and_input_errors(tiny_llama):
   model = load(tiny_llama[0], "float32")
-  cache = layer_major.prefill(model, KVCache.init(model.cfg, 2, 16), [[3], [5]])
+  cache = chunked.prefill(model, KVCache.init(model.cfg, 2, 16), [[3], [5]])
   np.testing.assert_array_equal(cache.lengths, [0, 0])
   with pytest.raises(InputError, match="prompts for a batch"):
-    layer_major.prefill(model, KVCache.init(model.cfg, 2, 16), [[1, 2]])
+    chunked.prefill(model, KVCache.init(model.cfg, 2, 16), [[1, 2]])
   with pytest.raises(InputError, match="max_len 16"):
-    layer_major.prefill(model, KVCache.init(model.cfg, 1, 16), [list(range(20))])
+    chunked.prefill(model, KVCache.init(model.cfg, 1, 16), [list(range(20))])
 
 
 @pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 (simulated) devices")
@@ -122,11 +125,11 @@ def test_under_a_mesh_equals_unsharded(tiny_qwen, rng, data, model_ways):
   from dustin_jax import sharding, weights
   model = load(tiny_qwen[0], "float32")
   prompts = [rng.integers(0, 97, size=n + 1).tolist() for n in (20, 3, 0, 31, 7, 12, 25, 9)]
-  ref = layer_major.prefill(model, KVCache.init(model.cfg, 8, 48), prompts, token_block=64)
+  ref = chunked.prefill(model, KVCache.init(model.cfg, 8, 48), prompts, token_block=64)
   mesh = sharding.make_mesh(data, model_ways)
   sharded = Model(*weights.place_model(model.cfg, model.graphdef, model.state, mesh))
   cache = KVCache.init(sharded.cfg, 8, 48, mesh=mesh)
-  out = layer_major.prefill(sharded, cache, prompts, token_block=64, mesh=mesh)
+  out = chunked.prefill(sharded, cache, prompts, token_block=64, mesh=mesh)
   r = sharded.cfg.num_kv_heads // model.cfg.num_kv_heads  # KV heads replicated r times
   np.testing.assert_array_equal(out.lengths, ref.lengths)
   for i in range(model.cfg.num_layers):

@@ -25,6 +25,7 @@ import numpy as np
 from dustin_jax.cache import KVCache
 from dustin_jax.decoding import DecodeState, DecodeStats, Model, StepOutput
 from dustin_jax.loop import decode_loop
+from dustin_jax.models.prefill import DEFAULT_TOKEN_BLOCK
 from dustin_jax.prefill import prefill
 from dustin_jax.speculative.engine import generate_speculative
 from dustin_jax.speculative.step import SpecConfig, SpecState, StepOptions, bind_spec_step
@@ -230,7 +231,8 @@ class Base:
 
 
 def prefill_base(pair: Pair, prompts: Sequence[Sequence[int]], max_len: int, *,
-                 chunk: int = 256, progress: bool = False, cache_dir: str | None = None) -> Base:
+                 token_block: int = DEFAULT_TOKEN_BLOCK, progress: bool = False,
+                 cache_dir: str | None = None) -> Base:
   """Prefill both models once. With `cache_dir`, the committed KV rows are
   saved there (one .npy per model, keyed by the models and the prompts)
   and a later call (any max_len) with the same key loads them instead of
@@ -259,10 +261,10 @@ def prefill_base(pair: Pair, prompts: Sequence[Sequence[int]], max_len: int, *,
       dc = _load_cache(path + ".draft.npy", pair.draft.cfg, b, max_len, lengths)
       jax.block_until_ready((tc, dc))
       return Base(tc, dc, [list(p) for p in prompts], max_len, time.perf_counter() - t0)
-  tc = prefill(pair.target, KVCache.init(pair.target.cfg, b, max_len), prompts, chunk=chunk,
-               progress=progress)
-  dc = prefill(pair.draft, KVCache.init(pair.draft.cfg, b, max_len), prompts, chunk=chunk,
-               progress=progress)
+  tc = prefill(pair.target, KVCache.init(pair.target.cfg, b, max_len), prompts,
+               token_block=token_block)
+  dc = prefill(pair.draft, KVCache.init(pair.draft.cfg, b, max_len), prompts,
+               token_block=token_block)
   jax.block_until_ready((tc, dc))
   if path is not None:
     rows = max(len(p) for p in prompts) - 1
@@ -363,13 +365,13 @@ def run_policy(pair: Pair, base: Base, policy, *, gamma: int, max_new_tokens: in
 
 def evaluate_arr(target: Model, draft: Model, prompts: Sequence[Sequence[int]], *,
                  max_new_tokens: int, max_len: int, cfg: SpecConfig = SpecConfig(),
-                 verify: str = "full", seed: int = 0, chunk: int = 256):
+                 verify: str = "full", seed: int = 0, token_block: int = DEFAULT_TOKEN_BLOCK):
   """Speculative decoding with the ARR measured at every step; returns
   (token lists, DecodeStats, ARRMeter). With `verify="full"` and greedy sampling the tokens are those
   of full-cache speculative decoding whatever the policy."""
   meter = ARRMeter()
   tokens, stats = generate_speculative(
       target, draft, prompts, max_new_tokens=max_new_tokens, max_len=max_len, cfg=cfg,
-      options=StepOptions(verify=verify, measure_arr=True), seed=seed, chunk=chunk,
+      options=StepOptions(verify=verify, measure_arr=True), seed=seed, token_block=token_block,
       on_output=meter)
   return tokens, stats, meter

@@ -68,9 +68,6 @@ def prefill_attention_reference(q, k, v, lengths, *, scale=None, block_q=128,
     pad = ((0, 0), (0, Sp - S), (0, 0), (0, 0))
     q, k, v = jnp.pad(q, pad), jnp.pad(k, pad), jnp.pad(v, pad)
   dt = jnp.promote_types(q.dtype, jnp.float32)
-  # [B, Hkv, Sp * G, D]: the G heads of a KV head next to each other per token
-  qp = (q.astype(dt) * scale).reshape(B, Sp, Hkv, G, D).transpose(0, 2, 1, 3, 4)
-  qp = qp.reshape(B, Hkv, Sp * G, D)
   # [B, Hkv, Sp, D]; padding rows of V zeroed: a masked key's weight is 0,
   # and 0 * (NaN or inf garbage) would still poison the row
   kt = k.astype(dt).transpose(0, 2, 1, 3)
@@ -101,9 +98,12 @@ def prefill_attention_reference(q, k, v, lengths, *, scale=None, block_q=128,
                                              preferred_element_type=jnp.float32)
     return acc, m_new, l
 
-  def query_block(i, out):
+  def query_block(i, buf):
+    """Block i's queries (rows [q0, q0 + bq) of `buf`) replaced by its output."""
     q0 = i * bq
-    qb = lax.dynamic_slice_in_dim(qp, q0 * G, M, axis=2)
+    qb = lax.dynamic_slice_in_dim(buf, q0, bq, axis=1).astype(dt) * scale  # [B, bq, Hq, D]
+    # [B, Hkv, bq * G, D]: the G heads of a KV head next to each other per token
+    qb = qb.reshape(B, bq, Hkv, G, D).transpose(0, 2, 1, 3, 4).reshape(B, Hkv, M, D)
     carry = (jnp.zeros((B, Hkv, M, D), jnp.float32),
              jnp.full((B, Hkv, M), -jnp.inf, jnp.float32),
              jnp.zeros((B, Hkv, M), jnp.float32))
@@ -113,11 +113,16 @@ def prefill_attention_reference(q, k, v, lengths, *, scale=None, block_q=128,
     carry = lax.fori_loop(0, n_k, lambda j, c: update(c, qb, j * bk, q0), carry)
     acc, _, l = carry
     o = acc / jnp.where(l > 0, l, 1.0)[..., None]
-    return lax.dynamic_update_slice_in_dim(out, o.astype(out.dtype), q0 * G, axis=2)
+    o = o.reshape(B, Hkv, bq, G, D).transpose(0, 2, 1, 3, 4).reshape(B, bq, Hq, D)
+    return lax.dynamic_update_slice_in_dim(buf, o.astype(buf.dtype), q0, axis=1)
 
-  # query blocks past max(lengths) stay zero (padding rows)
+  # The loop writes each block's output over its queries (read just before):
+  # the output takes q's buffer, no second [B, S, Hq, D] array. (XLA gives
+  # every while loop's carried buffers an allocation of their own that no
+  # later loop reuses; a fresh output buffer per call would add up over a
+  # model's layers: 0.2 GB per layer for 8 x 4k on the 1.5B.) Query blocks
+  # past max(lengths) are not run: their rows (still queries) are zeroed below.
   n_q = (max_len + bq - 1) // bq
-  out = lax.fori_loop(0, n_q, query_block, jnp.zeros((B, Hkv, Sp * G, D), q.dtype))
-  out = out.reshape(B, Hkv, Sp, G, D).transpose(0, 2, 1, 3, 4).reshape(B, Sp, Hq, D)[:, :S]
+  out = lax.fori_loop(0, n_q, query_block, q)[:, :S]
   valid = jnp.arange(S, dtype=jnp.int32)[None, :] < lengths[:, None]
   return jnp.where(valid[:, :, None, None], out, jnp.zeros((), out.dtype))

@@ -99,6 +99,7 @@ def test_dispatch_and_errors():
     ops.prefill_attention(q, k, v, L[None], impl="reference")
 
 
+@pytest.mark.skipif(ON_GPU or ON_TPU, reason="the interpreter check runs on the CPU machine")
 def test_tpu_splash_in_interpret_mode():
   """The splash path's layout, segment ids and scaling, run by the Pallas
   TPU interpreter on this machine (small: the interpreter is slow)."""
