@@ -19,6 +19,7 @@ import numpy as np
 from dustin_jax.assets import AssetError
 from dustin_jax.config import CheckpointError, ConfigError, ModelConfig
 from dustin_jax.decoding import InputError, Model, check_lengths
+from dustin_jax.models.prefill import bucket_len
 from dustin_jax.sampling import SamplingConfig
 from dustin_jax.selection.policies import POLICIES as policy_registry
 from dustin_jax.speculative.step import DRAFT_KV_MODES, SpecConfig
@@ -221,7 +222,8 @@ def make_mesh(c):
   return sharding.make_mesh(c.mesh.data, c.mesh.model)
 
 
-def plan_memory(c, mesh, target_cfg, draft_cfg, batch: int | None = None):
+def plan_memory(c, mesh, target_cfg, draft_cfg, batch: int | None = None,
+                prompt_len: int | None = None):
   """Print the per-device memory plan and refuse what cannot fit."""
   from dustin_jax import sharding
   cap = int(c.mesh.device_memory_gib * 2**30) or sharding.device_capacity()
@@ -229,7 +231,7 @@ def plan_memory(c, mesh, target_cfg, draft_cfg, batch: int | None = None):
     batch = c.batch_size if c.random_weights else len(prompt_texts(c))
   plan = sharding.memory_plan(target_cfg, draft_cfg, batch=batch, max_len=c.max_len,
                               data=mesh.shape["data"], model=mesh.shape["model"], gamma=c.gamma,
-                              capacity=cap)
+                              capacity=cap, prompt_len=prompt_len, token_block=c.prefill_block)
   print(plan.table(), flush=True)
   try:
     sharding.check_fits(plan)
@@ -440,7 +442,8 @@ def build(c) -> Run:
     make_policy(c, target_cfg, draft_cfg)  # its checks now; built again for the placed models
   for (role, cfg) in cfgs:
     check_checkpoint(c[role], c, cfg)
-  plan = plan_memory(c, mesh, target_cfg, draft_cfg, batch)
+  plan = plan_memory(c, mesh, target_cfg, draft_cfg, batch,
+                     prompt_len=bucket_len(max(len(p) for p in prompts), c.max_len))
   target, _ = load_model(c.target, c, "target", mesh)
   draft = load_model(c.draft, c, "draft", mesh)[0] if speculative else None
   eos = eos_ids(tokenizer, target.cfg)

@@ -185,10 +185,14 @@ class MemoryPlan:
   workspace: int
   kv_replication: int
   capacity: int | None = None
+  prefill: int = 0      # the prefill's activations (live before the decode's workspace)
 
   @property
   def total(self) -> int:
-    return self.weights + self.target_cache + self.draft_cache + self.workspace
+    """The peak: weights and caches, plus the larger of the prefill's and
+    the decode step's workspace (they are never live together)."""
+    return (self.weights + self.target_cache + self.draft_cache
+            + max(self.workspace, self.prefill))
 
   def fits(self) -> bool:
     return self.capacity is None or self.total <= self.capacity
@@ -196,8 +200,8 @@ class MemoryPlan:
   def table(self) -> str:
     gib = lambda b: f"{b / 2**30:8.2f} GiB"
     rows = [("weights (target + draft)", self.weights), ("target KV cache", self.target_cache),
-            ("draft KV cache", self.draft_cache), ("workspace", self.workspace),
-            ("total", self.total)]
+            ("draft KV cache", self.draft_cache), ("prefill activations", self.prefill),
+            ("decode workspace", self.workspace), ("total (peak)", self.total)]
     head = (f"memory per device, {self.devices} devices (data {self.data} x model {self.model})"
             + (f", KV heads replicated x{self.kv_replication}" if self.kv_replication > 1 else ""))
     lines = [head] + [f"  {name:26s}{gib(b)}" for name, b in rows]
@@ -211,15 +215,19 @@ def _shards(n: int, m: int) -> int:
 
 
 def memory_plan(target: ModelConfig, draft: ModelConfig | None, *, batch: int, max_len: int,
-                data: int, model: int, gamma: int = 4, capacity: int | None = None) -> MemoryPlan:
+                data: int, model: int, gamma: int = 4, capacity: int | None = None,
+                prompt_len: int | None = None, token_block: int = 8192) -> MemoryPlan:
   """Per-device bytes, counted from the shapes alone (before any allocation).
 
   Weights: tensor-parallel matrices split over `model`, norms replicated;
   caches: split over `data` (batch) and `model` (KV heads, after replication);
   the draft whole on every device (`draft_mesh`);
   workspace: the verify pass's f32 logits, the activations of the widest
-  layer and the selection signals -- a lower bound that excludes XLA's own
-  temporary buffers (leave headroom)."""
+  layer and the selection signals; prefill: the layer-major prefill's
+  activations over `prompt_len` (default `max_len`) tokens of every
+  sequence (the residual stream in and out, q and the attention output, k
+  and v, one tile of `token_block` tokens through the MLP) -- lower bounds
+  that exclude XLA's own temporary buffers (leave headroom)."""
   def weights(cfg: ModelConfig, model: int) -> int:
     el = jnp.dtype(cfg.dtype).itemsize
     d, hd, f, v = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size, cfg.vocab_size
@@ -244,11 +252,22 @@ def memory_plan(target: ModelConfig, draft: ModelConfig | None, *, batch: int, m
   logits = 4 * b * t * max(c.vocab_size for c in models) * 2  # target + draft distributions
   acts = 4 * b * t * max(max(c.intermediate_size, c.num_heads * c.head_dim) for c in models) * 4
   signals = 2 * 4 * b * max_len
+
+  def prefill(cfg: ModelConfig) -> int:
+    el = jnp.dtype(cfg.dtype).itemsize
+    tokens = b * (prompt_len or max_len)
+    q = cfg.num_heads * cfg.head_dim // _shards(cfg.num_heads, model)
+    kv = 2 * cfg.num_kv_heads * kv_replication(cfg, model) * cfg.head_dim
+    kv //= _shards(cfg.num_kv_heads * kv_replication(cfg, model), model)
+    mlp = 3 * min(token_block, tokens) * cfg.intermediate_size // _shards(cfg.intermediate_size,
+                                                                          model)
+    return (tokens * (2 * cfg.hidden_size + 2 * q + kv) + mlp) * el
+
   return MemoryPlan(devices=data * model, data=data, model=model,
                     weights=weights(target, model) + (weights(draft, 1) if draft else 0),
                     target_cache=cache(target, model), draft_cache=cache(draft, 1) if draft else 0,
                     workspace=logits + acts + signals, kv_replication=kv_replication(target, model),
-                    capacity=capacity)
+                    capacity=capacity, prefill=max(prefill(c) for c in models))
 
 
 def check_fits(plan: MemoryPlan) -> None:

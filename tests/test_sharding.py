@@ -140,6 +140,27 @@ def test_memory_plan_72b_hand_computed():
   assert "--config.mem_fraction" in str(refused.value)  # the allocator's share, the other fix
 
 
+def test_memory_plan_counts_the_prefill_activations():
+  """The layer-major prefill's peak at 16 x 32k for the 7B + 0.5B shapes,
+  counted by hand: residual in and out, q and attention output, k and v
+  over every token, and one 8192-token tile through the MLP (bf16)."""
+  from configs import shapes
+  t = ModelConfig.from_hf(dict(shapes.PAIRS["qwen7b"][0]), dtype="bfloat16")
+  d = ModelConfig.from_hf(dict(shapes.PAIRS["qwen7b"][1]), dtype="bfloat16")
+  plan = sharding.memory_plan(t, d, batch=16, max_len=32768, data=1, model=1,
+                              capacity=139 * 2**30)
+  tokens = 16 * 32768
+  target = (tokens * (2 * 3584 + 2 * 28 * 128 + 2 * 4 * 128) + 3 * 8192 * 18944) * 2
+  assert plan.prefill == target  # the target's is the larger
+  assert plan.total == plan.weights + plan.target_cache + plan.draft_cache + plan.prefill
+  assert plan.fits() and "prefill activations" in plan.table()
+  # a prefill that does not fit is refused before anything is allocated
+  small = sharding.memory_plan(t, d, batch=16, max_len=32768, data=1, model=1,
+                               capacity=plan.total - 1)
+  with pytest.raises(ConfigError, match="does not fit"):
+    sharding.check_fits(small)
+
+
 def test_cli_72b_shape_reduced_layers_runs_a_step_on_8_devices(tmp_path, capsys):
   """The 72B layer shapes, one layer each, on 8 simulated devices (1 x 8 mesh)."""
   from configs import qwen72b
