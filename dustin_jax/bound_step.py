@@ -8,11 +8,11 @@ to milliseconds per step. `BoundStep` removes both.
 
 from __future__ import annotations
 
-import functools
 from typing import Sequence
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from dustin_jax.decoding import Model
 
@@ -47,33 +47,73 @@ class BoundStep:
     self._params = tuple(leaves)
     self._outputs_from = outputs_from
     self._slots = None  # (arg shapes, output buffers) of the last call
-    # one jitted function per (step, models' structure, settings): binding
-    # again (each generate call) reuses its compiled executables
-    self._jitted = _bound_jit(fn, tuple(m.graphdef for m in models), defs, tuple(donate),
-                              tuple(sorted(static.items())))
+    self._bind = (fn, tuple(m.graphdef for m in models), defs, tuple(donate),
+                  tuple(sorted(static.items())))
+    self._jitted = None  # made at the first call, once the placement is known
 
   def __call__(self, *args):
-    key, slots = self._slots_for(args)
+    args, slots = self._prepare(args)
     res = self._jitted(self._params, *args, slots=slots)
     k = self._outputs_from
-    self._slots = (key, res[k:])
+    self._slots = (self._key(args), res[k:])
     return (*res[:k], *_copy_tree(res[k:]))
 
-  def _slots_for(self, args):
-    """Output buffers for args of these shapes: the last call's, or zeros."""
-    key = tuple((x.shape, x.dtype) for x in jax.tree_util.tree_leaves(args))
+  @staticmethod
+  def _key(args):
+    return tuple((x.shape, x.dtype) for x in jax.tree_util.tree_leaves(args))
+
+  def _prepare(self, args):
+    """(args, output buffers): the last call's buffers, or, for args of new
+    shapes, the args placed and zeros. The placement is fixed at the first
+    call and pinned as the step's output shardings, so every call sees the
+    same input shardings: under a mesh the shardings XLA would propagate
+    drift over the first calls, each drift a recompile of the whole step.
+    Leaves sharded over a mesh keep their sharding; the rest (and the
+    outputs) are replicated over it, or put on the first device without one."""
+    key = self._key(args)
     if self._slots is not None and self._slots[0] == key:
-      return self._slots
-    shapes = jax.eval_shape(lambda *a: self._jitted(self._params, *a), *args)
-    zeros = lambda s: jnp.zeros(s.shape, s.dtype, device=getattr(s, "sharding", None))
-    return key, jax.tree_util.tree_map(zeros, shapes[self._outputs_from:])
+      return args, self._slots[1]
+    leaves = jax.tree_util.tree_leaves(args)
+    sharded = lambda x: isinstance(getattr(x, "sharding", None), NamedSharding)
+    mesh = next((x.sharding.mesh for x in leaves if sharded(x)), None)
+    whole = (SingleDeviceSharding(jax.devices()[0]) if mesh is None
+             else NamedSharding(mesh, PartitionSpec()))
+    keep = lambda x: x.sharding if mesh is not None and sharded(x) else whole
+    placement = jax.tree_util.tree_map(keep, args)
+    args = jax.device_put(args, placement)
+    if self._jitted is None:
+      plain = _bound_jit(*self._bind, out_shardings=None)
+      shapes = jax.eval_shape(lambda *a: plain(self._params, *a), *args)
+      outs = jax.tree_util.tree_map(lambda _: whole, shapes[self._outputs_from:])
+      pinned = (*placement[:self._outputs_from], *outs)
+      self._jitted = _bound_jit(*self._bind, out_shardings=_Hashable(pinned))
+      self._shapes = shapes
+    zeros = lambda s: jnp.zeros(s.shape, s.dtype, device=whole)
+    return args, jax.tree_util.tree_map(zeros, self._shapes[self._outputs_from:])
 
   def lower(self, *args):
-    return self._jitted.lower(self._params, *args, slots=self._slots_for(args)[1])
+    args, slots = self._prepare(args)
+    return self._jitted.lower(self._params, *args, slots=slots)
 
   def compiled_count(self) -> int:
-    """Executables compiled so far for this step (one per input shape)."""
-    return self._jitted._cache_size()
+    """Executables compiled so far for this step, its models' structure and
+    settings (any binding: one per input shape and placement)."""
+    return sum(j._cache_size() for key, j in _JITS.items() if key[:5] == self._bind)
+
+
+class _Hashable:
+  """A pytree of shardings as an lru_cache key."""
+
+  def __init__(self, tree):
+    self.tree = tree
+    leaves, self._def = jax.tree_util.tree_flatten(tree)
+    self._leaves = tuple(leaves)
+
+  def __hash__(self):
+    return hash((self._def, self._leaves))
+
+  def __eq__(self, other):
+    return self._def == other._def and self._leaves == other._leaves
 
 
 @jax.jit
@@ -81,8 +121,17 @@ def _copy_tree(tree):
   return jax.tree_util.tree_map(jnp.copy, tree)
 
 
-@functools.lru_cache(maxsize=64)
-def _bound_jit(fn, graphdefs, treedefs, donate, static):
+_JITS = {}  # one jitted function per (step, models' structure, settings, placement)
+
+
+def _bound_jit(fn, graphdefs, treedefs, donate, static, *, out_shardings):
+  key = (fn, graphdefs, treedefs, donate, static, out_shardings)
+  if key not in _JITS:
+    _JITS[key] = _make_jit(*key)
+  return _JITS[key]
+
+
+def _make_jit(fn, graphdefs, treedefs, donate, static, out_shardings):
   def flat(params, *args, slots=()):
     # `slots` is donated and comes last, after the state: jit pairs donated
     # inputs with results of the same shape in order, so the state's results
@@ -94,5 +143,6 @@ def _bound_jit(fn, graphdefs, treedefs, donate, static):
     return fn(*bound, *args, **dict(static))
   # keep_unused: a donated input the step never reads (a signal it only
   # overwrites) stays a parameter, so its result is aliased to it too
+  kw = {} if out_shardings is None else dict(out_shardings=out_shardings.tree)
   return jax.jit(flat, donate_argnums=tuple(1 + i for i in donate),
-                 donate_argnames=("slots",), keep_unused=True)
+                 donate_argnames=("slots",), keep_unused=True, **kw)

@@ -278,3 +278,27 @@ def test_the_step_names_its_phases_for_the_profiler(pair, rng):
             dict(name="a_pallas_kernel", ts=20, dur=4)]
   # an unknown kernel name takes the phase of the kernel before it
   assert attribute_phases(events, phase_of) == {"draft": 5, "verify": 7}
+
+
+def test_bound_step_under_a_mesh_compiles_once(pair, rng):
+  """Under a mesh (the CLI always builds one) the shardings XLA propagates
+  would drift over the first calls, each drift a recompile of the whole
+  step: the bound step pins its placement, so it compiles once."""
+  from dustin_jax import sharding
+  from dustin_jax.speculative.step import bind_spec_step
+  target, draft = pair
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "model"))
+  cfg = SpecConfig(gamma=2, mesh=mesh)
+  t = Model(*weights_place(target, mesh))
+  d = Model(*weights_place(draft, sharding.draft_mesh(mesh)))
+  st = init_state(t, d, prompts_of(rng, [9, 12]), max_new_tokens=12, max_len=40, cfg=cfg)
+  step = bind_spec_step(t, d, cfg)
+  before = step.compiled_count()
+  for _ in range(4):
+    st, _ = step(st)
+  assert step.compiled_count() == before + 1
+
+
+def weights_place(model, mesh):
+  from dustin_jax.weights import place_model
+  return place_model(model.cfg, model.graphdef, model.state, mesh)
