@@ -131,7 +131,7 @@ def _timed(fn, warmup, repeats):
 
 
 def time_new(model, prompts, max_len, impl, token_block, warmup, repeats):
-  """(compile_s, run_s, cache) of the layer-major prefill of `prompts`."""
+  """(compile_s, run_s) of the layer-major prefill of `prompts`."""
   import jax
   import jax.numpy as jnp
   from dustin_jax.cache import KVCache
@@ -143,20 +143,20 @@ def time_new(model, prompts, max_len, impl, token_block, warmup, repeats):
   compiled = lm.prefill_cache.lower(model.graphdef, model.state, jax.eval_shape(fresh), tok, n,
                                     impl=impl, token_block=token_block).compile()
   compile_s = time.perf_counter() - t0
-  run_s, cache = _timed(lambda: compiled(model.state, fresh(), tok, n), warmup, repeats)
-  return compile_s, run_s, cache
+  run_s, _ = _timed(lambda: compiled(model.state, fresh(), tok, n), warmup, repeats)
+  return compile_s, run_s
 
 
 def time_old(model, prompts, max_len, chunk, repeats):
-  """(run_s, cache) of the chunked prefill, its one program compiled first
-  by a prefill of one chunk."""
+  """Seconds of the chunked prefill, its one program compiled first by a
+  prefill of one chunk."""
   from dustin_jax.cache import KVCache
   from dustin_jax.prefill import prefill_chunked as prefill
   b = len(prompts)
   warm = [p[:chunk + 1] for p in prompts]
   prefill(model, KVCache.init(model.cfg, b, max_len), warm, chunk=chunk)
   return _timed(lambda: prefill(model, KVCache.init(model.cfg, b, max_len), prompts, chunk=chunk),
-                0, repeats)
+                0, repeats)[0]
 
 
 def anchor_layer_s(cfg, batch, s, token_block, dtype, warmup, repeats):
@@ -202,8 +202,7 @@ def anchor_layer_s(cfg, batch, s, token_block, dtype, warmup, repeats):
     return lax.fori_loop(0, n // tb, tile, init)
 
   compiled = jax.jit(layer).lower(x, q, k, v, w).compile()
-  sec, _ = _timed(lambda: compiled(x, q, k, v, w), max(1, warmup), repeats)
-  return sec
+  return _timed(lambda: compiled(x, q, k, v, w), max(1, warmup), repeats)[0]
 
 
 def load_real_pair():
@@ -288,21 +287,17 @@ def main(argv):
         tokens = sum(len(p) - 1 for p in prompts)
         rec["tokens"] = tokens
         rec["loadavg_start"] = os.getloadavg()[0]
+        records.append(rec)  # saved after each measurement: a killed run keeps what it had
         try:
           for role, m in (("target", t), ("draft", d)):
-            c_s, run_s, _ = time_new(m, prompts, context, FLAGS.impl, token_block, warmup,
-                                     FLAGS.repeats)
+            c_s, run_s = time_new(m, prompts, context, FLAGS.impl, token_block, warmup,
+                                  FLAGS.repeats)
             rec[f"{role}_compile_s"], rec[f"{role}_s"] = c_s, run_s
+            save()
             print(f"  {name} {role} B={batch} ctx={context}: {run_s:.3f} s "
                   f"(compile {c_s:.1f} s)", flush=True)
           rec["prefill_s"] = rec["target_s"] + rec["draft_s"]
           rec["tokens_per_s"] = tokens / rec["prefill_s"]
-          if FLAGS.anchor:
-            layer_s = anchor_layer_s(t.cfg, batch, context, token_block, t.cfg.dtype, warmup,
-                                     FLAGS.repeats)
-            rec.update(anchor_layer_s=layer_s, anchor_s=layer_s * t.cfg.num_layers,
-                       anchor_tokens_per_s=tokens / (layer_s * t.cfg.num_layers),
-                       target_vs_anchor=rec["target_s"] / (layer_s * t.cfg.num_layers))
           if FLAGS.old:
             old_need = max(need_bytes(m.cfg, batch, context, token_block, itemsize,
                                       old_chunk=FLAGS.old_chunk) for m in (t, d))
@@ -310,17 +305,23 @@ def main(argv):
               rec["old_skipped"] = "memory"
             else:
               for role, m in (("target", t), ("draft", d)):
-                run_s, _ = time_old(m, prompts, context, FLAGS.old_chunk, FLAGS.repeats)
+                run_s = time_old(m, prompts, context, FLAGS.old_chunk, FLAGS.repeats)
                 rec[f"old_{role}_s"] = run_s
+                save()
                 print(f"  {name} old {role} B={batch} ctx={context}: {run_s:.3f} s", flush=True)
               rec["old_prefill_s"] = rec["old_target_s"] + rec["old_draft_s"]
               rec["old_tokens_per_s"] = tokens / rec["old_prefill_s"]
               rec["speedup_vs_old"] = rec["old_prefill_s"] / rec["prefill_s"]
+          if FLAGS.anchor:
+            layer_s = anchor_layer_s(t.cfg, batch, context, token_block, t.cfg.dtype, warmup,
+                                     FLAGS.repeats)
+            rec.update(anchor_layer_s=layer_s, anchor_s=layer_s * t.cfg.num_layers,
+                       anchor_tokens_per_s=tokens / (layer_s * t.cfg.num_layers),
+                       target_vs_anchor=rec["target_s"] / (layer_s * t.cfg.num_layers))
         except Exception as e:  # noqa: BLE001 -- one failing configuration is a record
           rec["error"] = f"{type(e).__name__}: {e}"[:500]
           traceback.print_exc(limit=4)
         rec["loadavg_end"] = os.getloadavg()[0]
-        records.append(rec)
         print(json.dumps({k: rec.get(k) for k in (
             "model", "batch", "context", "prefill_s", "tokens_per_s", "anchor_s",
             "anchor_tokens_per_s", "old_tokens_per_s", "speedup_vs_old", "error")}), flush=True)
@@ -336,8 +337,8 @@ def finish(records):
 
 def save_plot(records, path):
   """Tokens/s against context, one panel per pair: the layer-major prefill
-  (solid), the anchor (dotted), the old chunked prefill (dashed); colour:
-  batch."""
+  (solid, circles), the anchor (dotted, triangles), the old chunked prefill
+  (dashed, squares); colour: batch."""
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
@@ -350,12 +351,12 @@ def save_plot(records, path):
     for i, b in enumerate(sorted({r["batch"] for r in rows})):
       pts = sorted((r["context"], r) for r in rows if r["batch"] == b)
       c = colors[i % len(colors)]
-      for key, ls, label in (("tokens_per_s", "-", "layer-major"),
-                             ("anchor_tokens_per_s", ":", "anchor (target only)"),
-                             ("old_tokens_per_s", "--", "old chunked")):
+      for key, ls, mk, label in (("tokens_per_s", "-", "o", "layer-major"),
+                                 ("anchor_tokens_per_s", ":", "^", "anchor (target only)"),
+                                 ("old_tokens_per_s", "--", "s", "old chunked")):
         xy = [(x, r[key]) for x, r in pts if r.get(key)]
         if xy:
-          ax.plot(*zip(*xy), ls=ls, marker="o", color=c, label=f"B={b} {label}")
+          ax.plot(*zip(*xy), ls=ls, marker=mk, color=c, label=f"B={b} {label}")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("prompt tokens per sequence")
