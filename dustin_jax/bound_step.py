@@ -81,15 +81,14 @@ class BoundStep:
     keep = lambda x: x.sharding if mesh is not None and sharded(x) else whole
     placement = jax.tree_util.tree_map(keep, args)
     args = jax.device_put(args, placement)
+    plain = _bound_jit(*self._bind, out_shardings=None)
+    outputs = jax.eval_shape(lambda *a: plain(self._params, *a), *args)[self._outputs_from:]
     if self._jitted is None:
-      plain = _bound_jit(*self._bind, out_shardings=None)
-      shapes = jax.eval_shape(lambda *a: plain(self._params, *a), *args)
-      outs = jax.tree_util.tree_map(lambda _: whole, shapes[self._outputs_from:])
+      outs = jax.tree_util.tree_map(lambda _: whole, outputs)
       pinned = (*placement[:self._outputs_from], *outs)
       self._jitted = _bound_jit(*self._bind, out_shardings=_Hashable(pinned))
-      self._shapes = shapes
     zeros = lambda s: jnp.zeros(s.shape, s.dtype, device=whole)
-    return args, jax.tree_util.tree_map(zeros, self._shapes[self._outputs_from:])
+    return args, jax.tree_util.tree_map(zeros, outputs)
 
   def lower(self, *args):
     args, slots = self._prepare(args)
