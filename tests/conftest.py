@@ -58,3 +58,32 @@ def tiny_qwen(tmp_path_factory):
 @pytest.fixture
 def rng():
   return np.random.default_rng(0)
+
+
+def write_tokenizer_gguf(path, tokens, types, merges, *, model="gpt2", pre="llama-bpe", **extra):
+  """A small GGUF file holding a tokenizer (and one tensor): `extra` keys
+  name GGUFWriter `add_<key>` calls."""
+  import gguf
+
+  w = gguf.GGUFWriter(str(path), arch="llama")
+  w.add_context_length(128)
+  w.add_embedding_length(8)
+  w.add_block_count(1)
+  w.add_feed_forward_length(16)
+  w.add_head_count(2)
+  w.add_layer_norm_rms_eps(1e-5)
+  w.add_tokenizer_model(model)
+  if pre is not None:
+    w.add_tokenizer_pre(pre)
+  w.add_token_list(tokens)
+  w.add_token_types(types)
+  if merges:
+    w.add_token_merges(merges)
+  for key, value in extra.items():
+    getattr(w, "add_" + key)(value)
+  w.add_tensor("token_embd.weight", np.zeros((len(tokens), 8), np.float32))
+  w.write_header_to_file()
+  w.write_kv_data_to_file()
+  w.write_tensors_to_file()
+  w.close()
+  return path

