@@ -1,4 +1,4 @@
-r"""Prefill throughput: the layer-major prefill against its anchor and the old chunked one.
+r"""Prefill throughput: the layer-major prefill against its anchor and the chunked one (`dustin_jax.prefill.prefill_chunked`).
 
   python -m scripts.bench_prefill --out=results/h200/prefill.json --pairs=qwen7b,llama3_8b \
       --contexts=8192,16384,32768 --batches=1,8,16 --old
@@ -50,8 +50,8 @@ flags.DEFINE_string("dtype", "", "bfloat16 or float32 (default: bfloat16 on GPU/
                     "on CPU; the real pair is always float32)")
 flags.DEFINE_string("impl", "auto", "prefill attention impl (auto, reference, gpu, tpu)")
 flags.DEFINE_integer("token_block", 0, "tokens per tile of the per-token work (0: the default)")
-flags.DEFINE_bool("old", False, "also time the old chunked prefill on the same prompts")
-flags.DEFINE_integer("old_chunk", 256, "tokens per chunk of the old prefill")
+flags.DEFINE_bool("old", False, "also time the chunked prefill (prefill_chunked) on the same prompts")
+flags.DEFINE_integer("old_chunk", 256, "tokens per chunk of the chunked prefill")
 flags.DEFINE_bool("real_pair", False, "the offline Qwen2.5-Coder 1.5B + 0.5B GGUF pair, f32")
 flags.DEFINE_bool("ragged", False, "prompt bodies between 7/8 of the context and all of it")
 flags.DEFINE_bool("anchor", True, "time the anchor (one target layer x layers)")
@@ -94,7 +94,7 @@ def need_bytes(cfg, batch, s, token_block, itemsize, old_chunk=0):
   """Estimated peak bytes of one model's prefill: weights, cache, the
   activations of one layer over the whole batch (x, q, k, v, attention out,
   next x, with f32 attention copies on the reference path), one tile of the
-  MLP; with `old_chunk`, the old prefill's f32 scores instead."""
+  MLP; with `old_chunk`, the chunked prefill's f32 scores instead."""
   n = batch * s
   weights = cfg.num_params() * itemsize
   cache = 2 * cfg.num_layers * batch * cfg.num_kv_heads * s * cfg.head_dim * itemsize
@@ -337,7 +337,7 @@ def finish(records):
 
 def save_plot(records, path):
   """Tokens/s against context, one panel per pair: the layer-major prefill
-  (solid, circles), the anchor (dotted, triangles), the old chunked prefill
+  (solid, circles), the anchor (dotted, triangles), the chunked prefill
   (dashed, squares); colour: batch."""
   import matplotlib
   matplotlib.use("Agg")
