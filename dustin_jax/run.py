@@ -12,16 +12,25 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+from types import SimpleNamespace
 from typing import Any
 
+import jax
 import numpy as np
 
-from dustin_jax.assets import AssetError
+from dustin_jax import sharding, weights
+from dustin_jax.assets import MODELS, AssetError, ensure_model
+from dustin_jax.assets import load_tokenizer as gguf_tokenizer
 from dustin_jax.config import CheckpointError, ConfigError, ModelConfig
 from dustin_jax.decoding import InputError, Model, check_lengths
+from dustin_jax.gguf_file import read_gguf_config
 from dustin_jax.models.prefill import bucket_len
 from dustin_jax.sampling import SamplingConfig
+from dustin_jax.selection.base import FullCache
 from dustin_jax.selection.policies import POLICIES as policy_registry
+from dustin_jax.selection.policies import policy_from_config
+from dustin_jax.selection.srh import load_srh
+from dustin_jax.speculative.engine import check_pair
 from dustin_jax.speculative.step import DRAFT_KV_MODES, SpecConfig
 
 # what a run's inputs can cause (each message names the input and the fix);
@@ -34,95 +43,92 @@ IMPLS = ("auto", "reference", "gpu", "tpu")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json",
                    "vocab.txt", "spiece.model")
 JSONL_EXAMPLE = '{"prompt": "..."}'
+# the config's choices and lower bounds, checked first
+ONE_OF = (("method", ("speculative", "vanilla")), ("dtype", ("bfloat16", "float32")),
+          ("impl", IMPLS), ("draft_kv", DRAFT_KV_MODES))
+AT_LEAST = (("gamma", 1), ("max_new_tokens", 1), ("max_len", 2), ("prefill_block", 1),
+            ("seed", 0))
 
 
 def _plain(x):
   return x.to_dict() if hasattr(x, "to_dict") else x
 
 
+def _need(ok, msg):
+  if not ok:
+    raise ConfigError(msg)
+
+
 def validate(c) -> None:
   """One clear ConfigError for the first thing wrong with a run config
   (values and paths only: nothing is read but the SRH file)."""
-  def need(ok, msg):
-    if not ok:
-      raise ConfigError(msg)
-  need(c.method in ("speculative", "vanilla"),
-       f"method must be 'speculative' or 'vanilla', got {c.method!r}")
+  for field, choices in ONE_OF:
+    _need(c[field] in choices, f"{field} must be one of {choices}, got {c[field]!r}")
+  for field, least in AT_LEAST:
+    _need(c[field] >= least, f"{field} must be >= {least}, got {c[field]}")
   speculative = c.method == "speculative"
-  need(c.gamma >= 1, f"gamma must be >= 1, got {c.gamma}")
-  need(c.dtype in ("bfloat16", "float32"), f"dtype must be bfloat16 or float32, got {c.dtype!r}")
-  need(c.impl in IMPLS, f"impl must be one of {IMPLS}, got {c.impl!r}")
-  need(c.draft_kv in DRAFT_KV_MODES,
-       f"draft_kv must be one of {DRAFT_KV_MODES}, got {c.draft_kv!r}")
-  need(c.draft_sink >= 0 and c.draft_window >= 0 and c.draft_sink + c.draft_window >= 1,
-       f"draft_sink={c.draft_sink} and draft_window={c.draft_window} must be >= 0, with a sum "
-       ">= 1")
-  need(c.max_new_tokens >= 1, f"max_new_tokens must be >= 1, got {c.max_new_tokens}")
-  need(c.max_len >= 2, f"max_len must be >= 2, got {c.max_len}")
-  need(c.prefill_block >= 1, f"prefill_block must be >= 1, got {c.prefill_block}")
-  need(c.seed >= 0, f"seed must be >= 0, got {c.seed}")
+  _need(c.draft_sink >= 0 and c.draft_window >= 0 and c.draft_sink + c.draft_window >= 1,
+        f"draft_sink={c.draft_sink} and draft_window={c.draft_window} must be >= 0, with a sum "
+        ">= 1")
   d = c.selection
-  need(d.policy in POLICIES, f"selection.policy must be one of {POLICIES}, got {d.policy!r}")
+  _need(d.policy in POLICIES, f"selection.policy must be one of {POLICIES}, got {d.policy!r}")
   if speculative and d.policy != "full":
     # (the policy checks the values it resolves from the SRH file and defaults)
     if None not in (d.budget, d.n_sink, d.n_window):
-      need(d.budget >= d.n_sink + d.n_window,
-           f"selection.budget={d.budget} is smaller than selection.n_sink + selection.n_window = "
-           f"{d.n_sink} + {d.n_window}: raise the budget or shrink the sink/window")
-      need(d.m is None or 0 <= d.m <= d.budget - d.n_sink - d.n_window,
-           f"selection.m={d.m} must lie in [0, budget - n_sink - n_window = "
-           f"{d.budget - d.n_sink - d.n_window}]")
+      _need(d.budget >= d.n_sink + d.n_window,
+            f"selection.budget={d.budget} is smaller than selection.n_sink + selection.n_window "
+            f"= {d.n_sink} + {d.n_window}: raise the budget or shrink the sink/window")
+      _need(d.m is None or 0 <= d.m <= d.budget - d.n_sink - d.n_window,
+            f"selection.m={d.m} must lie in [0, budget - n_sink - n_window = "
+            f"{d.budget - d.n_sink - d.n_window}]")
     if d.srh_file:
       _check_file(d.srh_file, "selection.srh_file")
-      from dustin_jax.selection.srh import load_srh
       try:
         load_srh(d.srh_file)  # its format now; its heads against the models later
       except UnicodeDecodeError:
         raise ConfigError(f"selection.srh_file {d.srh_file!r} is not UTF-8 text: give the JSON "
                           "written by scripts/profile_srh.py") from None
   sources = [k for k in ("prompt", "prompt_file", "prompts_jsonl") if c[k]]
-  need(len(sources) <= 1, f"set at most one of prompt, prompt_file, prompts_jsonl (set: "
-       f"{', '.join(sources)})")
+  _need(len(sources) <= 1, f"set at most one of prompt, prompt_file, prompts_jsonl (set: "
+        f"{', '.join(sources)})")
   for k in ("prompt_file", "prompts_jsonl"):
     if c[k]:
       _check_file(c[k], k)
-  roles = ("target", "draft") if speculative else ("target",)
-  for role in roles:
+  for role in ("target", "draft") if speculative else ("target",):
     m = c[role]
-    need(m.num_layers >= 0, f"{role}.num_layers must be >= 0 (0 keeps every layer), got "
-         f"{m.num_layers}")
+    _need(m.num_layers >= 0, f"{role}.num_layers must be >= 0 (0 keeps every layer), got "
+          f"{m.num_layers}")
     if c.random_weights:
-      need(m.hf_config is not None, f"{role}.hf_config is needed for random_weights=True")
-      need(not m.asset and not m.checkpoint,
-           f"{role}.{'asset' if m.asset else 'checkpoint'} is set, but random_weights=True "
-           f"builds random weights of {role}.hf_config and would ignore it: set "
-           "--config.random_weights=False to load it")
+      _need(m.hf_config is not None, f"{role}.hf_config is needed for random_weights=True")
+      _need(not m.asset and not m.checkpoint,
+            f"{role}.{'asset' if m.asset else 'checkpoint'} is set, but random_weights=True "
+            f"builds random weights of {role}.hf_config and would ignore it: set "
+            "--config.random_weights=False to load it")
+      continue
+    _need(bool(m.asset) != bool(m.checkpoint),
+          f"{role}: set exactly one of {role}.asset (an offline model) or {role}.checkpoint "
+          "(or random_weights=True with hf_config)")
+    if m.asset:
+      _need(m.asset in MODELS, f"{role}.asset {m.asset!r} is not a known model: choose one of "
+            f"{', '.join(sorted(MODELS))}")
     else:
-      need(bool(m.asset) != bool(m.checkpoint),
-           f"{role}: set exactly one of {role}.asset (an offline model) or {role}.checkpoint "
-           "(or random_weights=True with hf_config)")
-      if m.asset:
-        from dustin_jax.assets import MODELS
-        need(m.asset in MODELS, f"{role}.asset {m.asset!r} is not a known model: choose one of "
-             f"{', '.join(sorted(MODELS))}")
-      else:
-        need(os.path.exists(m.checkpoint), f"{role}.checkpoint {m.checkpoint!r} does not exist")
-        need(os.path.isdir(m.checkpoint) or m.checkpoint.endswith(".gguf"),
-             f"{role}.checkpoint {m.checkpoint!r} is neither a directory nor a .gguf file: give "
-             "a Hugging Face or orbax checkpoint directory, or a .gguf file")
+      _need(os.path.exists(m.checkpoint), f"{role}.checkpoint {m.checkpoint!r} does not exist")
+      _need(os.path.isdir(m.checkpoint) or m.checkpoint.endswith(".gguf"),
+            f"{role}.checkpoint {m.checkpoint!r} is neither a directory nor a .gguf file: give "
+            "a Hugging Face or orbax checkpoint directory, or a .gguf file")
   if c.random_weights:
     ignored = sources + (["chat_template"] if c.chat_template else [])
-    need(not ignored, f"random_weights=True decodes random token prompts (batch_size x "
-         f"prompt_len) without a tokenizer, so {' and '.join(ignored)} would be ignored: drop "
-         "it, or set random_weights=False with real checkpoints")
-    need(c.batch_size >= 1, f"batch_size must be >= 1, got {c.batch_size}")
+    _need(not ignored, f"random_weights=True decodes random token prompts (batch_size x "
+          f"prompt_len) without a tokenizer, so {' and '.join(ignored)} would be ignored: drop "
+          "it, or set random_weights=False with real checkpoints")
+    _need(c.batch_size >= 1, f"batch_size must be >= 1, got {c.batch_size}")
     least = 2 if speculative else 1
-    need(c.prompt_len >= least, f"prompt_len must be >= {least} "
-         f"{'(speculative decoding re-feeds the last prompt token), ' if speculative else ''}"
-         f"got {c.prompt_len}")
+    _need(c.prompt_len >= least, f"prompt_len must be >= {least} "
+          f"{'(speculative decoding re-feeds the last prompt token), ' if speculative else ''}"
+          f"got {c.prompt_len}")
   else:
-    need(bool(sources), "set prompt, prompt_file or prompts_jsonl (random_weights runs use "
-         "random prompts)")
+    _need(bool(sources), "set prompt, prompt_file or prompts_jsonl (random_weights runs use "
+          "random prompts)")
   if not c.mesh.distributed:  # there, the backend may start only after jax.distributed
     check_impl(c)
 
@@ -131,7 +137,6 @@ def check_impl(c) -> None:
   """impl=gpu / impl=tpu only where JAX runs on that backend."""
   if c.impl not in ("gpu", "tpu"):
     return
-  import jax
   backend = jax.default_backend()
   ok = backend in ("gpu", "cuda", "rocm") if c.impl == "gpu" else backend == "tpu"
   if not ok:
@@ -148,7 +153,6 @@ def _check_file(path: str, field: str) -> None:
 
 def _checkpoint_path(m, c) -> str:
   if m.asset:
-    from dustin_jax.assets import ensure_model
     return str(ensure_model(m.asset, progress=c.progress))
   return m.checkpoint
 
@@ -161,14 +165,11 @@ def model_config(m, c, role: str = "model") -> ModelConfig:
   else:
     source = _checkpoint_path(m, c)
     if source.endswith(".gguf"):
-      from dustin_jax.gguf_file import read_gguf_config
-      from dustin_jax.weights import gguf_errors
-      with gguf_errors(source):
+      with weights.gguf_errors(source):
         hf = read_gguf_config(source)
       full = ModelConfig.from_hf(hf, dtype=c.dtype)
     elif os.path.isfile(os.path.join(source, "dustin_config.json")):
-      from dustin_jax.weights import saved_config
-      full = saved_config(source)
+      full = weights.saved_config(source)
       if m.num_layers and m.num_layers != full.num_layers:
         raise ConfigError(f"{role}.num_layers={m.num_layers}, but the orbax checkpoint {source!r} "
                           f"is restored whole ({full.num_layers} layers): set {role}.num_layers=0")
@@ -185,7 +186,6 @@ def load_model(m, c, role: str, mesh=None) -> tuple[Model, str | None]:
   """(Model, path the tokenizer comes from or None), sharded over `mesh`
   with KV heads replicated where the model axis needs it (the draft: whole
   on every device, `sharding.draft_mesh`)."""
-  from dustin_jax import sharding, weights
   if role == "draft":
     mesh = sharding.draft_mesh(mesh)
   layers = m.num_layers or None
@@ -209,26 +209,19 @@ def check_checkpoint(m, c, cfg: ModelConfig) -> None:
     return
   path = _checkpoint_path(m, c)
   if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "dustin_config.json")):
-    from dustin_jax.weights import check_hf_checkpoint
-    check_hf_checkpoint(path, cfg)
+    weights.check_hf_checkpoint(path, cfg)
 
 
 def make_mesh(c):
   """The device mesh of a run (multi-host: initialises jax.distributed)."""
-  import jax
-  from dustin_jax import sharding
   if c.mesh.distributed:
     jax.distributed.initialize()
   return sharding.make_mesh(c.mesh.data, c.mesh.model)
 
 
-def plan_memory(c, mesh, target_cfg, draft_cfg, batch: int | None = None,
-                prompt_len: int | None = None):
+def plan_memory(c, mesh, target_cfg, draft_cfg, batch: int, prompt_len: int):
   """Print the per-device memory plan and refuse what cannot fit."""
-  from dustin_jax import sharding
   cap = int(c.mesh.device_memory_gib * 2**30) or sharding.device_capacity()
-  if batch is None:
-    batch = c.batch_size if c.random_weights else len(prompt_texts(c))
   plan = sharding.memory_plan(target_cfg, draft_cfg, batch=batch, max_len=c.max_len,
                               data=mesh.shape["data"], model=mesh.shape["model"], gamma=c.gamma,
                               capacity=cap, prompt_len=prompt_len, token_block=c.prefill_block)
@@ -244,12 +237,11 @@ def load_tokenizer(path: str):
   """The tokenizer of a .gguf file or of a Hugging Face checkpoint
   directory, refused where it has no tokens."""
   if path.endswith(".gguf"):
-    from dustin_jax.assets import load_tokenizer as from_gguf
-    return from_gguf(path)
+    return gguf_tokenizer(path)
   if not any(os.path.isfile(os.path.join(path, f)) for f in TOKENIZER_FILES):
     raise ConfigError(f"checkpoint {path!r} has no tokenizer (none of "
                       f"{', '.join(TOKENIZER_FILES)}): copy the model's tokenizer files into it")
-  from transformers import AutoTokenizer
+  from transformers import AutoTokenizer  # (heavy: only for Hugging Face checkpoints)
   try:
     tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
   except (OSError, ValueError) as e:
@@ -278,12 +270,16 @@ def prompt_texts(c) -> list[str]:
   return texts
 
 
-def _read_text(path: str) -> str:
+def _read_bytes(path: str, field: str) -> bytes:
   try:
     with open(path, "rb") as f:
-      data = f.read()
+      return f.read()
   except OSError as e:
-    raise ConfigError(f"prompt_file {path!r} cannot be read: {e.strerror}") from None
+    raise ConfigError(f"{field} {path!r} cannot be read: {e.strerror}") from None
+
+
+def _read_text(path: str) -> str:
+  data = _read_bytes(path, "prompt_file")
   try:
     return data.decode("utf-8")
   except UnicodeDecodeError as e:
@@ -294,11 +290,7 @@ def _read_text(path: str) -> str:
 
 def _read_jsonl(path: str) -> tuple[list[str], list[str]]:
   """(prompts, "file:line" of each) of a JSONL file of {"prompt": ...}."""
-  try:
-    with open(path, "rb") as f:
-      lines = f.read().split(b"\n")
-  except OSError as e:
-    raise ConfigError(f"prompts_jsonl {path!r} cannot be read: {e.strerror}") from None
+  lines = _read_bytes(path, "prompts_jsonl").split(b"\n")
   texts, where = [], []
   for i, raw in enumerate(lines, 1):
     at = f"{path}:{i}"
@@ -372,9 +364,7 @@ def eos_ids(tokenizer, cfg: ModelConfig) -> tuple[int, ...]:
 
 def make_policy(c, target: ModelConfig, draft: ModelConfig | None):
   if c.selection.policy == "full":
-    from dustin_jax.selection.base import FullCache
     return FullCache()
-  from dustin_jax.selection.policies import policy_from_config
   return policy_from_config(c.selection, target, draft)
 
 
@@ -413,7 +403,6 @@ def build(c) -> Run:
   validate(c)
   sampling_config(c)
   texts = None if c.random_weights else prompt_texts(c)
-  from dustin_jax import sharding
   mesh = make_mesh(c)
   check_impl(c)
   speculative = c.method == "speculative"
@@ -436,8 +425,6 @@ def build(c) -> Run:
                           f"tokenizer's {vocab} tokens: wrong model or tokenizer")
   check_prompts(c, prompts)
   if speculative:
-    from types import SimpleNamespace
-    from dustin_jax.speculative.engine import check_pair
     check_pair(SimpleNamespace(cfg=target_cfg), SimpleNamespace(cfg=draft_cfg))
     make_policy(c, target_cfg, draft_cfg)  # its checks now; built again for the placed models
   for (role, cfg) in cfgs:
@@ -447,11 +434,8 @@ def build(c) -> Run:
   target, _ = load_model(c.target, c, "target", mesh)
   draft = load_model(c.draft, c, "draft", mesh)[0] if speculative else None
   eos = eos_ids(tokenizer, target.cfg)
-  if speculative:
-    policy = make_policy(c, target.cfg, draft.cfg)
-  else:  # plain decoding verifies nothing
-    from dustin_jax.selection.base import FullCache
-    policy = FullCache()
+  # plain decoding verifies nothing
+  policy = make_policy(c, target.cfg, draft.cfg) if speculative else FullCache()
   return Run(target=target, draft=draft, tokenizer=tokenizer, prompts=prompts, eos=eos,
              spec=spec_config(c, policy, eos, mesh), mesh=mesh, memory_plan=plan)
 
