@@ -65,10 +65,11 @@ def default_cache_dir() -> pathlib.Path:
 
 def enable_persistent_cache(path: str | os.PathLike | None = None) -> pathlib.Path:
   """Keep compiled XLA executables in `path` (default `<cache root>/xla`),
-  every compile that took at least a second. Returns the directory."""
+  every compile (a cache load is cheaper than any compile but the most
+  trivial). Returns the directory."""
   path = pathlib.Path(path).expanduser() if path else default_cache_dir()
   path.mkdir(parents=True, exist_ok=True)
   jax.config.update("jax_compilation_cache_dir", str(path))
-  jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
   jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
   return path

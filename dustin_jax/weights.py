@@ -39,32 +39,36 @@ def abstract_model(cfg: ModelConfig):
 def random_params(cfg: ModelConfig, seed: int = 0, mesh=None):
   """(graphdef, state) with random weights of the real shapes (benchmarks).
 
-  Each parameter is filled by its own jitted program, directly in its
-  shards: a counter-based hash of the element index gives uniform values of
-  std 0.02 (norm scales 1, biases 0). Unlike a threefry normal over a whole
+  One jitted program fills every parameter directly in its shards: a
+  counter-based hash of the element index gives uniform values of std 0.02
+  (norm scales 1, biases 0). Unlike a threefry normal over a whole
   embedding table, this needs no temporaries, so paper-scale shapes never
-  pass through one device or the host."""
+  pass through one device or the host; and one program for the whole model
+  is one compile (a program per parameter shape was ~25 compiles, seconds
+  of every run's load time)."""
   graphdef, abstract = abstract_model(cfg)
   pure = nnx.to_pure_dict(abstract)
-  shardings = {}
+  paths = leaves_with_paths(pure)
+  shardings = None
   if mesh is not None:
-    shardings = dict(leaves_with_paths(nnx.to_pure_dict(param_shardings(abstract, mesh))))
-  leaves = []
-  for i, (path, leaf) in enumerate(leaves_with_paths(pure)):
-    kind = "ones" if path[-1] == "weight" else "zeros" if path[-1] == "bias" else "uniform"
-    fill = _filler(tuple(leaf.shape), jnp.dtype(leaf.dtype), kind, shardings.get(path))
-    leaves.append(fill(jnp.uint32((seed * 1000003 + i) & 0xFFFFFFFF)))
+    by_path = dict(leaves_with_paths(nnx.to_pure_dict(param_shardings(abstract, mesh))))
+    shardings = tuple(by_path[path] for path, _ in paths)
+  kind = lambda path: "ones" if path[-1] == "weight" else "zeros" if path[-1] == "bias" else "uniform"
+  specs = tuple((tuple(leaf.shape), jnp.dtype(leaf.dtype), kind(path)) for path, leaf in paths)
+  leaves = _filler(specs, shardings)(jnp.uint32(seed))
   pure = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(pure), leaves)
   nnx.replace_by_pure_dict(abstract, pure)
   return graphdef, abstract
 
 
 @functools.lru_cache(maxsize=None)
-def _filler(shape, dtype, kind, sharding):
-  # one program per (shape, dtype, kind, sharding), the salt traced: a 72B
-  # model has ~800 parameters but ~10 distinct shapes (a static salt
-  # compiled each parameter apart, ~2 minutes)
-  return jax.jit(functools.partial(random_fill, shape, dtype, kind), out_shardings=sharding)
+def _filler(specs, shardings):
+  # the seed traced: one program per model shape and placement
+  def fill(seed):
+    base = seed * jnp.uint32(1000003)
+    return [random_fill(shape, dtype, kind, base + jnp.uint32(i))
+            for i, (shape, dtype, kind) in enumerate(specs)]
+  return jax.jit(fill, out_shardings=None if shardings is None else list(shardings))
 
 
 def random_fill(shape, dtype, kind, salt):

@@ -10,6 +10,8 @@ plus the new block (`sparse_verify`) -- the seam the selection policies use.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -165,6 +167,22 @@ class Block(nnx.Module):
     return self.finish(x, out), k_cache, v_cache, q
 
 
+def run_block(layer: Block, *args, impl, mesh):
+  """`layer(*args, impl, mesh)` through one jitted function shared by every
+  layer. Why: jit traces and lowers a function once per distinct argument
+  shape, so a step with ~150 layer applications (every layer of the target,
+  every layer of each draft pass) traces and lowers a layer a few times
+  instead of ~150; XLA inlines the calls, so the compiled program is the
+  one an inline loop would give."""
+  graphdef, state = nnx.split(layer)
+  return _block(graphdef, state, *args, impl=impl, mesh=mesh)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "impl", "mesh"))
+def _block(graphdef, state, *args, impl, mesh):
+  return nnx.merge(graphdef, state)(*args, impl, mesh)
+
+
 class Decoder(nnx.Module):
   """Token ids in, final hidden states out; `logits()` projects them."""
 
@@ -194,8 +212,8 @@ class Decoder(nnx.Module):
     x = jnp.take(self.embed_tokens[...], tokens, axis=0)
     taps = {}
     for i, layer in enumerate(self.layers):
-      x, k, v, q = layer(x, cos, sin, cache.k[i], cache.v[i], cache.lengths,
-                         kv_indices, impl, mesh)
+      x, k, v, q = run_block(layer, x, cos, sin, cache.k[i], cache.v[i], cache.lengths,
+                             kv_indices, impl=impl, mesh=mesh)
       cache = cache.with_layer(i, k, v)
       if i in tap_layers:
         taps[i] = q

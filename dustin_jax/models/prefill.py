@@ -114,6 +114,35 @@ def _commit_rows(cache_layer, new, valid):
   return lax.dynamic_update_slice(cache_layer, rows, (0, 0, 0, 0))
 
 
+# One layer as its own jitted function, shared by every layer: traced and
+# lowered once per prefill shape instead of once per layer (XLA inlines the
+# calls: the compiled program is the same).
+@functools.partial(jax.jit, static_argnames=("graphdef", "cfg", "tile", "impl", "mesh", "last"))
+def _prefill_layer(graphdef, state, x, bufs, k_layer, v_layer, valid, lengths, *, cfg, tile,
+                   impl, mesh, last):
+  """One layer over the whole prompt: (x after it, the buffers of its q, k,
+  v for the next layer to reuse, its cache rows k, v). The last layer's
+  output feeds no cache row: it returns x unchanged."""
+  layer = nnx.merge(graphdef, state)
+  s = x.shape[1]
+
+  def qkv_tile(start, n, bufs):
+    pos = start + jnp.arange(n, dtype=jnp.int32)[None]
+    parts = layer.qkv(_tile(x, start, n), *rope_tables(cfg, pos))
+    return tuple(_put(buf, part, start) for buf, part in zip(bufs, parts))
+
+  q, k, v = _tile_loop(qkv_tile, tile, s, bufs)
+  k_layer, v_layer = _commit_rows(k_layer, k, valid), _commit_rows(v_layer, v, valid)
+  if last:
+    return x, bufs, k_layer, v_layer
+  attn = _attention(q, k, v, lengths, impl, mesh)
+
+  def finish_tile(start, n, x):
+    return _put(x, layer.finish(_tile(x, start, n), _tile(attn, start, n)), start)
+
+  return _tile_loop(finish_tile, tile, s, x), (attn, k, v), k_layer, v_layer
+
+
 @functools.partial(jax.jit, static_argnames=("graphdef", "impl", "token_block", "mesh"),
                    donate_argnames=("cache",))
 def prefill_cache(graphdef, state, cache: KVCache, tokens, lengths, *, impl: str = "auto",
@@ -144,26 +173,13 @@ def prefill_cache(graphdef, state, cache: KVCache, tokens, lengths, *, impl: str
   # likewise) and x is updated in place: one set of buffers for all layers.
   bufs = (jnp.zeros((b, s, cfg.num_heads, hd), dt), jnp.zeros((b, s, cfg.num_kv_heads, hd), dt),
           jnp.zeros((b, s, cfg.num_kv_heads, hd), dt))
-  n_layers = len(model.layers)
+  last = len(model.layers) - 1
   for i, layer in enumerate(model.layers):
-
-    def qkv_tile(start, n, bufs, layer=layer):
-      pos = start + jnp.arange(n, dtype=jnp.int32)[None]
-      parts = layer.qkv(_tile(x, start, n), *rope_tables(cfg, pos))
-      return tuple(_put(buf, part, start) for buf, part in zip(bufs, parts))
-
-    q, k, v = _tile_loop(qkv_tile, ts, s, bufs)
-    cache = cache.with_layer(i, _commit_rows(cache.k[i], k, valid),
-                             _commit_rows(cache.v[i], v, valid))
-    if i == n_layers - 1:
-      break  # the last layer's output feeds no cache row
-    attn = _attention(q, k, v, lengths, impl, mesh)
-
-    def finish_tile(start, n, x, layer=layer, attn=attn):
-      return _put(x, layer.finish(_tile(x, start, n), _tile(attn, start, n)), start)
-
-    x = _tile_loop(finish_tile, ts, s, x)
-    bufs = (attn, k, v)
+    graphdef, layer_state = nnx.split(layer)
+    x, bufs, k_rows, v_rows = _prefill_layer(
+        graphdef, layer_state, x, bufs, cache.k[i], cache.v[i], valid, lengths, cfg=cfg,
+        tile=ts, impl=impl, mesh=mesh, last=i == last)
+    cache = cache.with_layer(i, k_rows, v_rows)
   return cache.with_lengths(lengths)
 
 
