@@ -33,16 +33,16 @@ import inspect
 import json
 import math
 import os
-import statistics
 import time
 import traceback
 
-from scripts.benchmarking import load_trace_events, parse_device_times
-
 from absl import app
 from absl import flags
-
+import jax
+import jax.numpy as jnp
 import numpy as np
+
+from scripts.benchmarking import DeviceTimer, median_seconds, pyplot, save_figure, write_json
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("out_dir", "results/h200", "where JSON and PNG go")
@@ -66,7 +66,6 @@ flags.DEFINE_bool("device_time", True, "also time kernels from a profiler "
                   "trace (CUPTI kernel intervals; GPU only) and use it as ms")
 flags.DEFINE_bool("check", True, "compare outputs with the references at "
                   "the largest shapes")
-flags.DEFINE_string("save_trace", "", "copy the first profiler trace here")
 flags.DEFINE_integer("T", 5, "verify tokens (gamma + 1)")
 flags.DEFINE_integer("inner", 16, "kernel calls per timed jit call")
 flags.DEFINE_integer("repeats", 10, "timed calls (median)")
@@ -93,21 +92,17 @@ SRH_HEADS = {  # kv-head layouts of the 4 SRH query heads (7B: G=7)
     "4q/4kv": lambda G: (0, G, 2 * G, 3 * G),
     "4q/2kv": lambda G: (0, 1, G, G + 1),
 }
-
-
-def _now():
-  return time.perf_counter()
+# --smoke: tiny shapes and few calls, on the reference kernels (CPU)
+SMOKE = dict(models=["tiny"], contexts=["64"], batches=["2"], budgets=["8", "16"],
+             srh_models=["tiny"], srh_budgets=["8"], inner=2, repeats=2, warmup=1, T=3)
 
 
 class Bench:
 
   def __init__(self):
-    import jax
-    import jax.numpy as jnp
-    self.jax, self.jnp = jax, jnp
     self.records = []
     self.errors = []
-    self.t0 = _now()
+    self.t0 = time.perf_counter()
     self.dtype = jnp.float32 if FLAGS.smoke else jnp.bfloat16
     self.itemsize = jnp.dtype(self.dtype).itemsize
     dev = jax.devices()[0]
@@ -121,23 +116,15 @@ class Bench:
 
   # ------------------------------------------------------------ helpers
   def out_of_time(self):
-    return FLAGS.time_limit_s and _now() - self.t0 > FLAGS.time_limit_s
+    return FLAGS.time_limit_s and time.perf_counter() - self.t0 > FLAGS.time_limit_s
 
   def time_calls(self, fn, argsets, rec=None):
     """Median wall ms per kernel call over `argsets` (one jit, len(argsets)
     calls).  With `rec`, queues the record for device timing (flush)."""
-    jax = self.jax
     f = jax.jit(lambda sets: [fn(*a) for a in sets])
-    out = f(argsets)
-    jax.block_until_ready(out)
-    for _ in range(FLAGS.warmup):
-      jax.block_until_ready(f(argsets))
-    ts = []
-    for _ in range(FLAGS.repeats):
-      t = _now()
-      jax.block_until_ready(f(argsets))
-      ts.append(_now() - t)
-    ms = statistics.median(ts) / len(argsets) * 1e3
+    out = jax.block_until_ready(f(argsets))
+    s, _ = median_seconds(lambda: f(argsets), FLAGS.warmup, FLAGS.repeats)
+    ms = s / len(argsets) * 1e3
     if rec is not None:
       rec["wall_ms"] = ms
       rec["ms"] = ms
@@ -147,23 +134,11 @@ class Bench:
 
   def device_times(self, items):
     """(gpu_ms, gpu_span_ms) per call for each item, from one profiler trace."""
-    import glob
-    import shutil
-    import tempfile
-    jax = self.jax
-    d = tempfile.mkdtemp(prefix="bench_prof_")
-    labels = [f"bench_item_{i}" for i in range(len(items))]
-    with jax.profiler.trace(d, create_perfetto_trace=True):
-      for lab, it in zip(labels, items):
-        with jax.profiler.TraceAnnotation(lab):
+    with DeviceTimer() as t:
+      for it in items:
+        with t.window("item"):
           jax.block_until_ready(it["f"](it["argsets"]))
-    if (FLAGS.save_trace and len(items) > 1
-        and not os.path.exists(FLAGS.save_trace)):
-      shutil.copy(glob.glob(os.path.join(d, "**", "perfetto_trace.json.gz"),
-                            recursive=True)[-1], FLAGS.save_trace)
-    ev = load_trace_events(d)
-    shutil.rmtree(d, ignore_errors=True)
-    return parse_device_times(ev, labels, [len(it["argsets"]) for it in items])
+    return t.times("item", [len(it["argsets"]) for it in items])
 
   def flush(self):
     """Device-times the queued measurements, then records them in order."""
@@ -185,36 +160,26 @@ class Bench:
       self.add(**rec)
 
   def measure_copy(self):
-    jax, jnp = self.jax, self.jnp
+    """The copy bandwidth every kernel's `bw_share` is a share of (`add`)."""
     n = (2**22 if FLAGS.smoke else 2**30) // 2  # elements of bf16 (2 GiB)
     x = jax.random.normal(jax.random.PRNGKey(0), (n,), jnp.float32).astype(
         jnp.bfloat16)
     rec = dict(kernel="copy", model=None, batch=None, context=None,
                budget=None, bytes=2 * x.nbytes, bytes_moved=2 * x.nbytes)
     self.time_calls(lambda a: jnp.copy(a), [(x,)] * 2, rec)
-    items = self.pending
-    self.pending = []
-    busy = None
-    if FLAGS.device_time and self.platform == "gpu":
-      try:
-        busy, span = self.device_times(items)[0]
-        rec["gpu_ms"], rec["gpu_span_ms"] = busy, span
-      except Exception as e:
-        self.errors.append(f"device_times(copy): {e}")
-    # The copy's own bandwidth: wall and device time agree for 2 GiB; use the
-    # device time when there is one (same basis as the kernels' ms).
-    rec["ms"] = busy or rec["wall_ms"]
-    self.copy_bw = 2 * x.nbytes / (rec["ms"] * 1e-3) / 1e12
-    self.add(**rec)
-    del x
+    self.flush()
 
   def add(self, **rec):
+    ms = rec["ms"]
+    if rec["kernel"] == "copy":
+      # wall and device time agree for 2 GiB; ms is the device time when
+      # there is one (same basis as the kernels' ms)
+      self.copy_bw = rec["bytes"] / (ms * 1e-3) / 1e12
     rec.setdefault("ragged", False)
     rec.setdefault("T", FLAGS.T)
     rec.update(device=self.device, platform=self.platform,
-               jax_version=self.jax.__version__, copy_bw_tbs=self.copy_bw,
-               dtype=str(self.jnp.dtype(self.dtype)))
-    ms = rec["ms"]
+               jax_version=jax.__version__, copy_bw_tbs=self.copy_bw,
+               dtype=str(jnp.dtype(self.dtype)))
     rec["bw_tbs"] = rec["bytes"] / (ms * 1e-3) / 1e12
     rec["bw_share"] = rec["bw_tbs"] / self.copy_bw if self.copy_bw else None
     key = (rec.get("model"), rec.get("batch"), rec.get("context"),
@@ -235,9 +200,7 @@ class Bench:
     return rec
 
   def save(self):
-    os.makedirs(FLAGS.out_dir, exist_ok=True)
-    with open(os.path.join(FLAGS.out_dir, FLAGS.json_name), "w") as f:
-      json.dump(self.records, f, indent=1, default=str)
+    write_json(os.path.join(FLAGS.out_dir, FLAGS.json_name), self.records)
 
   def guard(self, what, fn):
     if self.out_of_time():
@@ -253,7 +216,6 @@ class Bench:
 
   # ------------------------------------------------------------ data
   def make_shape(self, model, B, ctx, ragged=False, seed=0):
-    jax, jnp = self.jax, self.jnp
     Hq, Hkv, D = MODELS[model]
     T = FLAGS.T
     # Headroom past the context; a multiple of 2048 keeps jax's op happy
@@ -291,7 +253,7 @@ class Bench:
         L = int(sh["lengths_np"][b])
         n = min(K, L)
         idx[b, :n] = np.sort(rng.choice(L, size=n, replace=False))
-      out.append(self.jnp.asarray(idx))
+      out.append(jnp.asarray(idx))
     return out
 
   def argsets(self, sh, extra=None):
@@ -355,7 +317,6 @@ class Bench:
     return int(2 * live.sum() * rows * (sh["D"] + 2) * 4)
 
   def run_sparse(self, sh, K, tune=None, tag=None, check=False):
-    jax = self.jax
     from kernels.sparse_verify.ops import sparse_verify
     tuning = dict(tune or {})
     key = ("idx", K)
@@ -389,7 +350,6 @@ class Bench:
 
   def run_jax_gqa(self, sh, packed):
     """jax.experimental.pallas.ops.gpu.decode_attention on head-major K/V."""
-    jax, jnp = self.jax, self.jnp
     from jax.experimental.pallas.ops.gpu import decode_attention as jda
     B, Hq, Hkv, D, T = sh["B"], sh["Hq"], sh["Hkv"], sh["D"], sh["T"]
     G = Hq // Hkv
@@ -422,7 +382,6 @@ class Bench:
     self.time_calls(fn, self.argsets(sh), rec)
 
   def run_srh(self, sh, layout, budgets):
-    jax = self.jax
     from kernels.srh_scores.ops import select_topk, srh_scores, srh_scores_bytes
     B, T, D, G = sh["B"], sh["T"], sh["D"], sh["Hq"] // sh["Hkv"]
     kv_head = tuple(h // G for h in SRH_HEADS[layout](G))
@@ -486,13 +445,12 @@ class Bench:
                                                         tag="tune"))
     n0 = len(self.records)
     self.guard("flush", self.flush)
-    for kern in ("sparse_verify",):
-      cands = [r for r in self.records[n0:] if r["kernel"] == kern]
-      if cands:
-        best = min(cands, key=lambda r: r["ms"])
-        self.best[kern] = dict(best.get("tuning") or {})
-        print(f"  best {kern}: {self.best[kern]} {best['ms']:.4f} ms",
-              flush=True)
+    cands = [r for r in self.records[n0:] if r["kernel"] == "sparse_verify"]
+    if cands:
+      best = min(cands, key=lambda r: r["ms"])
+      self.best["sparse_verify"] = dict(best.get("tuning") or {})
+      print(f"  best sparse_verify: {self.best['sparse_verify']} {best['ms']:.4f} ms",
+            flush=True)
     del sh
 
   def grid(self):
@@ -583,15 +541,12 @@ def print_table(records):
 
 
 def plot(records, path):
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
   recs = [r for r in records if r["kernel"] != "copy" and not r.get("tune")
           and not r.get("ragged")]
   if not recs:
     return
   models = sorted({r["model"] for r in recs}, key=str)
-  fig, axes = plt.subplots(1, 3, figsize=(17, 4.8))
+  fig, axes = pyplot().subplots(1, 3, figsize=(17, 4.8))
   # (a) full-cache kernels: bandwidth share at the largest batch
   ax = axes[0]
   bmax = max(r["batch"] for r in recs)
@@ -658,24 +613,14 @@ def plot(records, path):
   ax.set_xscale("log")
   ax.set_xlabel("ms (log)")
   ax.set_title(f"time per layer call, B={bmax}, ctx={cmax}, K=512")
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
+  save_figure(fig, path)
 
 
 def main(argv):
   del argv
   if FLAGS.smoke:
-    FLAGS.models = ["tiny"]
-    FLAGS.contexts = ["64"]
-    FLAGS.batches = ["2"]
-    FLAGS.budgets = ["8", "16"]
-    FLAGS.srh_models = ["tiny"]
-    FLAGS.srh_budgets = ["8"]
-    FLAGS.inner = 2
-    FLAGS.repeats = 2
-    FLAGS.warmup = 1
-    FLAGS.T = 3
+    for name, value in SMOKE.items():
+      setattr(FLAGS, name, value)
   json_path = os.path.join(FLAGS.out_dir, FLAGS.json_name)
   png_path = os.path.splitext(json_path)[0] + ".png"
   if FLAGS.merge:
@@ -683,14 +628,12 @@ def main(argv):
     for p in FLAGS.merge:
       with open(p) as f:
         records += json.load(f)
-    os.makedirs(FLAGS.out_dir, exist_ok=True)
-    with open(json_path, "w") as f:
-      json.dump(records, f, indent=1, default=str)
+    write_json(json_path, records)
     print_table(records)
     plot(records, png_path)
     return
   b = Bench()
-  print(f"device {b.device}  jax {b.jax.__version__}", flush=True)
+  print(f"device {b.device}  jax {jax.__version__}", flush=True)
   b.measure_copy()
   print(f"copy bandwidth {b.copy_bw:.3f} TB/s", flush=True)
   if FLAGS.tune:

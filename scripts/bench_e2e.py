@@ -35,14 +35,23 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import time
 
 from absl import app
 from absl import flags
+import jax
+import jax.numpy as jnp
 
-from scripts.benchmarking import (floor_bytes, floor_time, fresh_decode_state, phase_device_ms,
-                                    random_model,
-                                    spec_state_at)
+from configs import shapes
+from dustin_jax import sharding
+from dustin_jax.config import ModelConfig, append_xla_flags
+from dustin_jax.selection.policies import policy_from_config
+from dustin_jax.speculative.step import SpecConfig, SpecState, bind_spec_step
+from dustin_jax.vanilla import VanillaState, bind_vanilla_step
+from scripts.benchmarking import (DeviceTimer, benchmark_pairs, floor_bytes, floor_time,
+                                  fresh_decode_state, phase_device_ms, pyplot, random_cache,
+                                  random_model, save_figure, spec_state_at, write_json)
 
 flags.DEFINE_string("out_dir", "results/h200", "where e2e.json and e2e.png go")
 flags.DEFINE_list("models", ["qwen7b", "llama3_8b"], "qwen7b (7B + 0.5B) and/or llama3_8b (8B + 1B)")
@@ -79,22 +88,12 @@ POLICY = {"sd_full": "full", "sd_magicdec": "full", "dustin": "dustin", "streami
           "quest": "quest"}
 
 
-def _pairs():
-  if FLAGS.smoke:
-    from configs import tiny  # (imports ml_collections, absent on the GPU machine)
-    return {"tiny": (tiny.tiny_hf(4), tiny.tiny_hf(2))}
-  from configs import shapes
-  return shapes.PAIRS
-
-
 def _time_loop(step, carry, repeats):
   """Time `step(carry) -> (carry, out)` as a decode loop runs it, after two
   warm-up steps (the first compiles). Returns ({step_ms: steps queued back
   to back, the host one step ahead as in generate(), / steps;
   step_sync_ms: median of steps each waited for, host dispatch included;
   gpu_ms: GPU kernel time per step, None without a GPU}, carry)."""
-  import jax
-  from scripts.benchmarking import DeviceTimer, median
   for _ in range(2):
     carry, out = step(carry)
     jax.block_until_ready(out)
@@ -115,15 +114,13 @@ def _time_loop(step, carry, repeats):
         carry, out = step(carry)
       jax.block_until_ready(out)
   gpu = timer.ms("steps")
-  return dict(step_ms=1e3 * ahead, step_sync_ms=1e3 * median(sync),
+  return dict(step_ms=1e3 * ahead, step_sync_ms=1e3 * statistics.median(sync),
               gpu_ms=gpu[0] / repeats if gpu else None), carry
 
 
 def bench_vanilla(target, cache, context, impl, repeats, mesh=None):
   """Times of the vanilla step (see `_time_loop`) and the cache. The cache
   lengths start at `context` and grow by one per step."""
-  import jax.numpy as jnp
-  from dustin_jax.vanilla import VanillaState, bind_vanilla_step
   b = cache.batch
   step = bind_vanilla_step(target, impl=impl, mesh=mesh)
   start = VanillaState(cache.with_lengths(jnp.full((b,), context, jnp.int32)),
@@ -136,7 +133,6 @@ def bench_spec(target, draft, tcache, dcache, context, cfg, repeats, phases=True
   """(step times (see `_time_loop`), phase times or None, temp bytes of the
   compiled step, caches). Lengths start at `context` and grow as tokens are
   committed; the per-phase timing resets them to `context` every step."""
-  from dustin_jax.speculative.step import SpecState, bind_spec_step
   st = spec_state_at(tcache, dcache, context, cfg.policy, cfg.mesh)
   full = st.target.lengths.copy()  # the step donates the state: kept for the resets
   step = bind_spec_step(target, draft, cfg)
@@ -210,14 +206,12 @@ def reprice(path):
   records += project_layers(records, sorted({r["model"] for r in records if r.get("model")}))
   price_all(records, taus, tau_path)
   refloor(records)
-  with open(path, "w") as f:
-    json.dump(records, f, indent=1)
+  write_json(path, records)
   _finish(records, path)
 
 
 def method_policy(method, tcfg, dcfg, budget):
   """The selection policy a method runs with (None: vanilla)."""
-  from dustin_jax.selection.policies import policy_from_config
   if method not in POLICY:
     return None
   return policy_from_config(dict(policy=POLICY[method], budget=budget, n_sink=FLAGS.n_sink,
@@ -228,8 +222,6 @@ def refloor(records):
   """Recompute `floor_bytes` (and `floor_ms`, `floor_share`) of the records
   of known shapes: the floor is a property of the configuration, so records
   measured before a fix of the count get the fixed one."""
-  from configs import shapes
-  from dustin_jax.config import ModelConfig
   for r in records:
     if "floor_bytes" not in r or r.get("model") not in shapes.PAIRS:
       continue
@@ -247,18 +239,11 @@ def main(argv):
   del argv
   if FLAGS.reprice:
     return reprice(FLAGS.reprice)
-  from dustin_jax.config import append_xla_flags
   append_xla_flags(FLAGS.xla_flags)
-  import jax
   # the step's memory statistics come from an AOT compile; with this cache
   # the jitted call that follows loads that executable instead of compiling again
   jax.config.update("jax_compilation_cache_dir", FLAGS.compile_cache_dir)
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
-  from dustin_jax import sharding
-  from scripts.benchmarking import random_cache
-  from dustin_jax.config import ModelConfig
-  from dustin_jax.speculative.step import SpecConfig
-
   t_start = time.perf_counter()
   os.makedirs(FLAGS.out_dir, exist_ok=True)
   out_json = os.path.join(FLAGS.out_dir, "e2e.json")
@@ -272,15 +257,11 @@ def main(argv):
   cap = sharding.device_capacity()
   mesh = sharding.make_mesh(1, FLAGS.mesh_model) if FLAGS.mesh_model > 1 else None
   dmesh = sharding.draft_mesh(mesh)
-
-  def save():
-    with open(out_json, "w") as f:
-      json.dump(records, f, indent=1)
-
+  save = lambda: write_json(out_json, records)
   runs = [(name, int(tl) if tl else None) for name in FLAGS.models
           for tl in (FLAGS.target_layers or [""])]
   for name, target_layers in runs:
-    thf, dhf = _pairs()[name]
+    thf, dhf = benchmark_pairs(FLAGS.smoke)[name]
     layers = FLAGS.num_layers or None
     tcfg = ModelConfig.from_hf(dict(thf), dtype="bfloat16", num_layers=target_layers or layers)
     dcfg = ModelConfig.from_hf(dict(dhf), dtype="bfloat16", num_layers=layers)
@@ -362,7 +343,7 @@ def project_layers(records, models):
   out = []
   ok = [r for r in records if r.get("step_ms") and not r.get("error")]
   keys = {(r["method"], r["model"], r["batch"], r["context"], r["gamma"]) for r in ok}
-  pairs = _pairs()
+  pairs = benchmark_pairs(FLAGS.smoke)
   full_layers = {m: pairs[m][0]["num_hidden_layers"] for m in models if m in pairs}
   for key in sorted(keys):
     if key[1] not in full_layers:
@@ -391,9 +372,6 @@ def _finish(records, out_json):
 
 
 def save_plot(records, path):
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
   ok = [r for r in records if r.get("step_ms") and not r.get("error")]
   if not ok:
     return
@@ -404,7 +382,7 @@ def save_plot(records, path):
   latest = {series(r): r.get("run") or "" for r in sorted(ok, key=lambda r: r.get("run") or "")}
   ok = [r for r in ok if (r.get("run") or "") == latest[series(r)]]
   models = sorted({r["model"] for r in ok})
-  fig, axes = plt.subplots(1, len(models), figsize=(10 * len(models), 5.5), squeeze=False)
+  fig, axes = pyplot().subplots(1, len(models), figsize=(10 * len(models), 5.5), squeeze=False)
   for ax, m in zip(axes[0], models):
     line = lambda r: (r["method"], r["batch"], r["gamma"], r.get("target_layers") or 0,
                       bool(r.get("projected_from")))
@@ -434,9 +412,7 @@ def save_plot(records, path):
     ax.axhline(1.0, color="gray", lw=0.5)
     ax.set_title(f"{m} on {ok[0]['device']}")
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
+  save_figure(fig, path)
 
 
 _METHOD_COLOR = {"dustin": "tab:red", "sd_full": "tab:blue", "sd_magicdec": "tab:cyan",

@@ -25,7 +25,6 @@ time. Writes gemm.json (records) and gemm.png.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import statistics
@@ -33,8 +32,11 @@ import time
 
 from absl import app
 from absl import flags
+import jax
+import jax.numpy as jnp
 
-from scripts.benchmarking import DeviceTimer
+from dustin_jax.config import ModelConfig, append_xla_flags
+from scripts.benchmarking import DeviceTimer, benchmark_pairs, pyplot, save_figure, write_json
 
 flags.DEFINE_string("out_dir", "results/h200", "where gemm.json and gemm.png go")
 flags.DEFINE_list("models", ["qwen7b"], "benchmark pairs (configs.shapes.PAIRS)")
@@ -50,7 +52,6 @@ FLAGS = flags.FLAGS
 
 def split_k_dot(x, w, splits: int):
   """`x @ w` as `splits` partial products over slices of K, summed in f32."""
-  import jax.numpy as jnp
   m, k = x.shape
   parts = jnp.einsum("msk,skn->smn", x.reshape(m, splits, k // splits),
                      w.reshape(splits, k // splits, w.shape[1]),
@@ -62,7 +63,6 @@ def plain_dot(x, w):
   """The f32 product cast to bf16 (an f32 GEMM result and a separate
   convert), beside `Linear`'s bias-free projections, which ask the GEMM for
   bf16 directly (dustin_jax/models/decoder.py)."""
-  import jax.numpy as jnp
   return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
 
 
@@ -81,14 +81,7 @@ def projections(cfg, ways: int) -> dict[str, tuple[int, int]]:
 
 def main(argv):
   del argv
-  from dustin_jax.config import append_xla_flags
   append_xla_flags(FLAGS.xla_flags)
-  import jax
-  import jax.numpy as jnp
-  from configs import shapes
-  from dustin_jax.config import ModelConfig
-
-  os.makedirs(FLAGS.out_dir, exist_ok=True)
   out_json = os.path.join(FLAGS.out_dir, "gemm.json")
   dtype = jnp.bfloat16
   device = jax.devices()[0].device_kind
@@ -118,10 +111,7 @@ def main(argv):
   records = [dict(meta, kernel="copy", bytes=2 * n * 2, ms=dev_ms or wall_ms, tbs=copy_tbs)]
   print(f"copy bandwidth {copy_tbs:.2f} TB/s on {device}", flush=True)
 
-  pairs = shapes.PAIRS
-  if FLAGS.smoke:
-    from configs import tiny
-    pairs = {"tiny": (tiny.tiny_hf(2), tiny.tiny_hf(1))}
+  pairs = benchmark_pairs(FLAGS.smoke)
   key = jax.random.key(0)
   for name in FLAGS.models if not FLAGS.smoke else ["tiny"]:
     for role, hf in zip(("target", "draft"), pairs[name]):
@@ -155,8 +145,7 @@ def main(argv):
                   f"{variant:9s} {us:8.2f} us  {rec['bw_frac']:6.0%} of copy BW", flush=True)
           del xs
         del ws
-  with open(out_json, "w") as f:
-    json.dump(records, f, indent=1)
+  write_json(out_json, records)
   save_plot(records, out_json.replace(".json", ".png"))
   print(f"wrote {out_json}")
 
@@ -164,16 +153,13 @@ def main(argv):
 def save_plot(records, path):
   """Share of the copy bandwidth per projection and row count: the model's
   dot and the best split-K; a row of panels per model, a column per role."""
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
   gemms = [r for r in records if r["kernel"] == "gemm"]
   models = sorted({r["model"] for r in gemms})
   roles = sorted({r["role"] for r in gemms}, reverse=True)  # target, draft
   if not models:
     return
-  fig, axes = plt.subplots(len(models), len(roles), figsize=(6 * len(roles), 4 * len(models)),
-                           squeeze=False)
+  fig, axes = pyplot().subplots(len(models), len(roles), squeeze=False,
+                                figsize=(6 * len(roles), 4 * len(models)))
   for ax, (model, role) in zip(axes.flat, [(m, r) for m in models for r in roles]):
     mine = [r for r in gemms if (r["model"], r["role"]) == (model, role)]
     projs = list(dict.fromkeys(r["proj"] for r in mine))
@@ -192,9 +178,7 @@ def save_plot(records, path):
     ax.set_ylabel("share of the copy bandwidth")
     ax.set_title(f"{model} {role}")
     ax.legend(fontsize=7)
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
+  save_figure(fig, path)
 
 
 if __name__ == "__main__":

@@ -34,12 +34,27 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import time
 import traceback
 
 from absl import app
 from absl import flags
+import jax
+from jax import lax
+import jax.numpy as jnp
+import numpy as np
+
+from dustin_jax import sharding
+from dustin_jax.assets import ensure_model
+from dustin_jax.cache import KVCache
+from dustin_jax.config import ModelConfig
+from dustin_jax.decoding import Model
+from dustin_jax.models import prefill as lm
+from dustin_jax.prefill import prefill_chunked
+from dustin_jax.profiling.runtime import REAL_DRAFT, REAL_TARGET, load_gguf_lean
+from kernels.prefill_attention.reference import prefill_attention_reference
+from scripts.benchmarking import (benchmark_pairs, median_seconds, pyplot, random_model,
+                                  save_figure, write_json)
 
 flags.DEFINE_string("out", "results/h200/prefill.json", "JSON records; the PNG goes beside it")
 flags.DEFINE_list("pairs", ["qwen7b", "llama3_8b"], "benchmark pairs (configs.shapes.PAIRS)")
@@ -65,26 +80,11 @@ flags.DEFINE_bool("smoke", False, "tiny random pair (configs.tiny), for the CPU 
 FLAGS = flags.FLAGS
 
 
-def _pairs():
-  """{name: (target hf dict, draft hf dict)} of the benchmark pairs."""
-  if FLAGS.smoke:
-    from configs import tiny
-    return {"tiny": (tiny.tiny_hf(3), tiny.tiny_hf(2))}
-  from configs import shapes
-  return {name: shapes.PAIRS[name] for name in FLAGS.pairs}
-
-
 def capacity_bytes():
   """Memory one configuration may use: the first device's (GPU/TPU) or the
   host's available memory (CPU)."""
-  import jax
-  dev = jax.devices()[0]
-  try:
-    stats = dev.memory_stats() or {}
-  except Exception:  # noqa: BLE001 -- CPU devices may not report
-    stats = {}
-  if stats.get("bytes_limit"):
-    return int(stats["bytes_limit"])
+  if sharding.device_capacity():
+    return sharding.device_capacity()
   with open("/proc/meminfo") as f:
     info = dict(line.split(":", 1) for line in f)
   return int(info["MemAvailable"].split()[0]) * 1024
@@ -110,32 +110,14 @@ def need_bytes(cfg, batch, s, token_block, itemsize, old_chunk=0):
 def make_prompts(batch, context, vocab, seed, ragged):
   """`batch` random prompts of `context` + 1 tokens (bodies of `context`),
   or ragged bodies in [7/8 context, context]."""
-  import numpy as np
   rng = np.random.default_rng(seed)
   lens = (rng.integers(context - context // 8, context + 1, size=batch) if ragged
           else np.full(batch, context))
   return [rng.integers(0, vocab, size=int(n) + 1).tolist() for n in lens]
 
 
-def _timed(fn, warmup, repeats):
-  """(median seconds of `repeats` calls of fn() after `warmup`, last result)."""
-  import jax
-  for _ in range(warmup):
-    jax.block_until_ready(fn())
-  ts, out = [], None
-  for _ in range(max(1, repeats)):
-    t0 = time.perf_counter()
-    out = jax.block_until_ready(fn())
-    ts.append(time.perf_counter() - t0)
-  return statistics.median(ts), out
-
-
 def time_new(model, prompts, max_len, impl, token_block, warmup, repeats):
   """(compile_s, run_s) of the layer-major prefill of `prompts`."""
-  import jax
-  import jax.numpy as jnp
-  from dustin_jax.cache import KVCache
-  from dustin_jax.models import prefill as lm
   tok, n = lm.pack_prompts(prompts, max_len)
   tok, n = jnp.asarray(tok), jnp.asarray(n)
   fresh = lambda: KVCache.init(model.cfg, len(prompts), max_len)
@@ -143,20 +125,17 @@ def time_new(model, prompts, max_len, impl, token_block, warmup, repeats):
   compiled = lm.prefill_cache.lower(model.graphdef, model.state, jax.eval_shape(fresh), tok, n,
                                     impl=impl, token_block=token_block).compile()
   compile_s = time.perf_counter() - t0
-  run_s, _ = _timed(lambda: compiled(model.state, fresh(), tok, n), warmup, repeats)
+  run_s, _ = median_seconds(lambda: compiled(model.state, fresh(), tok, n), warmup, repeats)
   return compile_s, run_s
 
 
 def time_old(model, prompts, max_len, chunk, repeats):
   """Seconds of the chunked prefill, its one program compiled first by a
   prefill of one chunk."""
-  from dustin_jax.cache import KVCache
-  from dustin_jax.prefill import prefill_chunked as prefill
-  b = len(prompts)
-  warm = [p[:chunk + 1] for p in prompts]
-  prefill(model, KVCache.init(model.cfg, b, max_len), warm, chunk=chunk)
-  return _timed(lambda: prefill(model, KVCache.init(model.cfg, b, max_len), prompts, chunk=chunk),
-                0, repeats)[0]
+  fresh = lambda: KVCache.init(model.cfg, len(prompts), max_len)
+  prefill_chunked(model, fresh(), [p[:chunk + 1] for p in prompts], chunk=chunk)
+  return median_seconds(lambda: prefill_chunked(model, fresh(), prompts, chunk=chunk), 0,
+                        repeats)[0]
 
 
 def anchor_layer_s(cfg, batch, s, token_block, dtype, warmup, repeats):
@@ -164,10 +143,6 @@ def anchor_layer_s(cfg, batch, s, token_block, dtype, warmup, repeats):
   the module doc): attention of the whole causal sequence, then the GEMMs
   in tiles of `token_block` rows (the MLP intermediate of every token at
   once would not fit)."""
-  import jax
-  import jax.numpy as jnp
-  from jax import lax
-  from kernels.prefill_attention.reference import prefill_attention_reference
   hq, hkv, hd, d, f = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size,
                        cfg.intermediate_size)
   n = batch * s
@@ -202,38 +177,23 @@ def anchor_layer_s(cfg, batch, s, token_block, dtype, warmup, repeats):
     return lax.fori_loop(0, n // tb, tile, init)
 
   compiled = jax.jit(layer).lower(x, q, k, v, w).compile()
-  return _timed(lambda: compiled(x, q, k, v, w), max(1, warmup), repeats)[0]
+  return median_seconds(lambda: compiled(x, q, k, v, w), max(1, warmup), repeats)[0]
 
 
 def load_real_pair():
   """(target, draft) Models of the offline Qwen2.5-Coder 1.5B / 0.5B GGUF
   files, f32 (the lean loader: a lower host-memory peak)."""
-  from dustin_jax.assets import ensure_model
-  from dustin_jax.decoding import Model
-  try:
-    from dustin_jax.profiling.runtime import REAL_DRAFT, REAL_TARGET, load_gguf_lean as load
-  except ImportError:  # the plain loader: same result, higher peak
-    from dustin_jax.weights import load_checkpoint
-    REAL_TARGET, REAL_DRAFT = "qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"
-    load = lambda p: load_checkpoint(p, dtype="float32")
-  models = []
-  for name in (REAL_TARGET, REAL_DRAFT):
-    models.append(Model(*load(str(ensure_model(name, progress=False)))))
-  return models[0], models[1], f"{REAL_TARGET}+{REAL_DRAFT.split('-')[-2]}"
+  target, draft = (Model(*load_gguf_lean(str(ensure_model(name, progress=False))))
+                   for name in (REAL_TARGET, REAL_DRAFT))
+  return target, draft, f"{REAL_TARGET}+{REAL_DRAFT.split('-')[-2]}"
 
 
 def main(argv):
   del argv
-  import jax
   if FLAGS.compile_cache_dir:
     jax.config.update("jax_compilation_cache_dir", FLAGS.compile_cache_dir)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
-  from dustin_jax.config import ModelConfig
-  from dustin_jax.models import prefill as lm
-  from scripts.benchmarking import random_model
-
   t_start = time.perf_counter()
-  os.makedirs(os.path.dirname(os.path.abspath(FLAGS.out)), exist_ok=True)
   platform = jax.default_backend()
   device = jax.devices()[0].device_kind
   warmup = FLAGS.warmup if FLAGS.warmup >= 0 else (0 if platform == "cpu" else 1)
@@ -242,17 +202,15 @@ def main(argv):
   token_block = FLAGS.token_block or lm.DEFAULT_TOKEN_BLOCK
   cap = capacity_bytes()
   records = []
-
-  def save():
-    with open(FLAGS.out, "w") as f:
-      json.dump(records, f, indent=1)
-
+  save = lambda: write_json(FLAGS.out, records)
   if FLAGS.real_pair:
     target, draft, name = load_real_pair()
     runs = [(name, target, draft)]
   else:
     runs = []
-    for name, (thf, dhf) in _pairs().items():
+    pairs = benchmark_pairs(FLAGS.smoke)
+    for name in pairs if FLAGS.smoke else FLAGS.pairs:
+      thf, dhf = pairs[name]
       layers = FLAGS.num_layers or None
       tcfg = ModelConfig.from_hf(dict(thf), dtype=dtype, num_layers=layers)
       dcfg = ModelConfig.from_hf(dict(dhf), dtype=dtype, num_layers=layers)
@@ -339,9 +297,7 @@ def save_plot(records, path):
   """Tokens/s against context, one panel per pair: the layer-major prefill
   (solid, circles), the anchor (dotted, triangles), the chunked prefill
   (dashed, squares); colour: batch."""
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
+  plt = pyplot()
   ok = [r for r in records if r.get("tokens_per_s")]
   models = sorted({r["model"] for r in ok}) or ["(no measurement)"]
   fig, axes = plt.subplots(1, len(models), figsize=(7 * len(models), 5), squeeze=False)
@@ -366,9 +322,7 @@ def save_plot(records, path):
     ax.grid(True, which="both", lw=0.3)
     if rows:
       ax.legend(fontsize=7)
-  fig.tight_layout()
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
+  save_figure(fig, path, dpi=110)
 
 
 if __name__ == "__main__":

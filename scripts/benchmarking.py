@@ -15,7 +15,10 @@ import gzip
 import json
 import os
 import re
+import shutil
+import statistics
 import tempfile
+import time
 
 import jax
 import jax.numpy as jnp
@@ -116,6 +119,7 @@ class DeviceTimer:
   def __exit__(self, *exc):
     jax.profiler.stop_trace()
     self._ev = load_trace_events(self._dir)
+    shutil.rmtree(self._dir, ignore_errors=True)
     return False
 
   def window(self, name: str):
@@ -123,17 +127,65 @@ class DeviceTimer:
     self._labels.append(label)
     return jax.profiler.TraceAnnotation(label)
 
+  def times(self, name: str, n_calls=None) -> list[tuple]:
+    """(GPU ms, first-to-last kernel span ms) of each `name` window, per
+    call of the window's `n_calls`; (None, None) without device events."""
+    labels = [lab for lab in self._labels if lab.rsplit("#", 1)[0] == name]
+    return parse_device_times(self._ev, labels, n_calls or [1] * len(labels))
+
   def ms(self, name: str) -> list[float] | None:
     if not device_events(self._ev):
       return None
-    labels = [lab for lab in self._labels if lab.rsplit("#", 1)[0] == name]
     # a window that launched no kernel (e.g. the full cache's empty selection) took 0
-    return [b or 0.0 for b, _ in parse_device_times(self._ev, labels, [1] * len(labels))]
+    return [b or 0.0 for b, _ in self.times(name)]
 
 
-def median(xs):
-  xs = sorted(xs)
-  return xs[len(xs) // 2]
+def median_seconds(fn, warmup: int, repeats: int):
+  """(median wall seconds of `repeats` calls of `fn()` after `warmup`
+  untimed ones, each waited for; the last call's result)."""
+  for _ in range(warmup):
+    jax.block_until_ready(fn())
+  times, out = [], None
+  for _ in range(max(1, repeats)):
+    t0 = time.perf_counter()
+    out = jax.block_until_ready(fn())
+    times.append(time.perf_counter() - t0)
+  return statistics.median(times), out
+
+
+def write_json(path: str, obj) -> None:
+  """`obj` as indented JSON at `path`, its directory made first; written
+  beside it and renamed over it, so a killed run leaves the last whole file."""
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  with open(path + ".tmp", "w") as f:
+    json.dump(obj, f, indent=1, default=str)
+    f.write("\n")
+  os.replace(path + ".tmp", path)
+
+
+def pyplot():
+  """matplotlib.pyplot on the file-only Agg backend (imported late: only
+  the plotting needs it)."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  return plt
+
+
+def save_figure(fig, path: str, dpi: int = 120) -> None:
+  fig.tight_layout()
+  fig.savefig(path, dpi=dpi)
+  pyplot().close(fig)
+
+
+def benchmark_pairs(smoke: bool) -> dict:
+  """{name: (target hf dict, draft hf dict)}: the real shapes of
+  `configs.shapes.PAIRS`, or with `smoke` one tiny pair (configs.tiny)."""
+  if smoke:
+    from configs import tiny  # (imports ml_collections, absent on the GPU machine)
+    return {"tiny": (tiny.tiny_hf(3), tiny.tiny_hf(2))}
+  from configs import shapes
+  return shapes.PAIRS
 
 
 def random_model(cfg, seed: int, mesh=None):

@@ -17,15 +17,23 @@ from __future__ import annotations
 import collections
 import json
 import os
+import re
 import tempfile
 import time
 
 from absl import app
 from absl import flags
+import jax
 
+from configs import shapes
+from dustin_jax import sharding
+from dustin_jax.config import ModelConfig, append_xla_flags
+from dustin_jax.selection.policies import policy_from_config
+from dustin_jax.speculative.step import SpecConfig, bind_spec_step
+from dustin_jax.vanilla import VanillaState, bind_vanilla_step
 from scripts.benchmarking import (attribute_phases, busy_time, device_events,
                                   fresh_decode_state, hlo_phases, load_trace_events,
-                                  random_cache, random_model, spec_state_at)
+                                  random_cache, random_model, spec_state_at, write_json)
 
 flags.DEFINE_string("out_dir", "results/h200", "where trace_step.json goes")
 flags.DEFINE_string("model", "qwen7b", "target + draft shapes: qwen7b, llama3_8b or qwen72b")
@@ -51,7 +59,6 @@ def profile(fn, steps, phase_of=None):
   the host); then, under the profiler, `steps` steps queued and waited for
   at the end: GPU time per kernel name and host time per traced host event
   (what the host does while dispatching)."""
-  import jax
   jax.block_until_ready(fn())  # compile + warm up
   jax.block_until_ready(fn())
   runs = []
@@ -91,7 +98,6 @@ def host_event_summary(ev, dev, steps):
   """Host time per traced host event name per step (digits folded, so one
   line per kind of event: e.g. all kernel-launch thunks together); `dev`:
   the GPU kernel events, whose processes are not the host's."""
-  import re
   gpu_pids = {e["pid"] for e in dev}
   per, count = collections.Counter(), collections.Counter()
   for e in ev:
@@ -103,18 +109,14 @@ def host_event_summary(ev, dev, steps):
   return [dict(event=k, us=round(v, 1), count=round(count[k], 1)) for k, v in per.most_common()]
 
 
+def brief(measures: dict) -> dict:
+  """A method's measures without the long kernel and host-event lists."""
+  return {k: v for k, v in measures.items() if k not in ("top", "host")}
+
+
 def main(argv):
   del argv
-  from dustin_jax.config import append_xla_flags
   append_xla_flags(FLAGS.xla_flags)
-  import jax
-  from configs import shapes
-  from dustin_jax import sharding
-  from dustin_jax.config import ModelConfig
-  from dustin_jax.selection.policies import policy_from_config
-  from dustin_jax.speculative.step import SpecConfig, bind_spec_step
-  from dustin_jax.vanilla import VanillaState, bind_vanilla_step
-
   thf, dhf = shapes.PAIRS[FLAGS.model]
   layers, b, ctx = None, FLAGS.batch, FLAGS.context
   if FLAGS.smoke:
@@ -140,8 +142,7 @@ def main(argv):
     return o.tokens
   if "vanilla" in FLAGS.methods:
     out["vanilla"] = profile(vrun, FLAGS.steps)
-    print(json.dumps({"vanilla": {k: v for k, v in out["vanilla"].items()
-                                  if k not in ("top", "host")}}), flush=True)
+    print(json.dumps({"vanilla": brief(out["vanilla"])}), flush=True)
 
   policy = policy_from_config(dict(policy="dustin", budget=512, n_sink=16, n_window=64, m=128),
                               tcfg, dcfg)
@@ -155,11 +156,8 @@ def main(argv):
     return o.tokens
   if "dustin" in FLAGS.methods:
     out["dustin"] = profile(srun, FLAGS.steps, phase_of)
-    print(json.dumps({"dustin": {k: v for k, v in out["dustin"].items()
-                                 if k not in ("top", "host")}}), flush=True)
-  os.makedirs(FLAGS.out_dir, exist_ok=True)
-  with open(os.path.join(FLAGS.out_dir, FLAGS.out_name), "w") as f:
-    json.dump(out, f, indent=1)
+    print(json.dumps({"dustin": brief(out["dustin"])}), flush=True)
+  write_json(os.path.join(FLAGS.out_dir, FLAGS.out_name), out)
   for m in FLAGS.methods:
     print(f"\n{m}: step {out[m]['step_ms']:.2f} ms (host one step ahead), GPU busy "
           f"{out[m]['gpu_busy_ms']:.2f} ms, {out[m]['launches']} launches")
