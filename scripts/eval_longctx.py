@@ -41,12 +41,27 @@ replaced, `full` first, as the agreement reference.
 
 from __future__ import annotations
 
+import collections
+import glob
 import json
 import os
 import time
 
 from absl import app
 from absl import flags
+import numpy as np
+
+from dustin_jax.assets import cache_root
+from dustin_jax.decoding import DecodeStats
+from dustin_jax.eval import tasks as tasklib
+from dustin_jax.eval.texts import read_text
+from dustin_jax.loop import decode_loop
+from dustin_jax.profiling.runtime import (QWEN_EOS, fresh_state, load_pair, prefill_base,
+                                          release_host_memory, run_policy, text_prompt)
+from dustin_jax.selection.policies import policy_from_config
+from dustin_jax.selection.srh import load_srh
+from dustin_jax.speculative.step import SpecConfig, StepOptions, bind_spec_step
+from scripts.benchmarking import pyplot, save_figure, write_json
 
 FLAGS = flags.FLAGS
 flags.DEFINE_enum("pair", "real", ["real", "tiny"], "real: the offline Qwen2.5-Coder "
@@ -83,7 +98,6 @@ def kv_cache_dir() -> str | None:
   if FLAGS.kv_cache_dir == "auto":
     if FLAGS.pair != "real":
       return None
-    from dustin_jax.assets import cache_root
     return str(cache_root() / "kv")
   return FLAGS.kv_cache_dir or None
 
@@ -99,8 +113,6 @@ def make_policy(name: str, budget: int, pair, srh_file: str):
   """The policy `name` at `budget`, as a run config would build it; the
   dustin* policies read `srh_file` (heads, m, sink/window; m is scaled to
   the budget when the file was profiled at another one)."""
-  from dustin_jax.selection.policies import policy_from_config
-  from dustin_jax.selection.srh import load_srh
   d = dict(policy=name, budget=budget, srh_file=srh_file)
   n_sink, n_window = 16, 64
   if budget < 4 * (n_sink + n_window):   # tiny budgets (smoke tests)
@@ -126,38 +138,17 @@ def load_records(path: str) -> list[dict]:
   return []
 
 
-def save_records(path: str, records: list[dict]) -> None:
-  os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-  tmp = path + ".tmp"
-  with open(tmp, "w") as f:
-    json.dump(records, f, indent=1)
-    f.write("\n")
-  os.replace(tmp, path)
-
-
 def continuation_prompts(tok, text_name: str, n: int, ctx: int, seed: int):
   """`n` prompts of exactly `ctx` tokens from the real text `text_name`,
   starting at line starts chosen by `seed`. Returns (prompts, char offsets)."""
-  import numpy as np
-  from dustin_jax.eval.texts import read_text
   text = read_text(text_name, progress=False)
   rng = np.random.default_rng(seed)
-  prompts, offsets = [], []
-  span = ctx * 8
-  while len(prompts) < n:
-    off = int(rng.integers(0, max(1, len(text) - span)))
-    off = text.find("\n", off) + 1
-    ids = tok.encode(text[off:off + span])
-    if len(ids) < ctx:
-      continue
-    prompts.append(ids[:ctx])
-    offsets.append(off)
-  return prompts, offsets
+  prompts, offsets = zip(*(text_prompt(tok, text, ctx, rng) for _ in range(n)))
+  return list(prompts), list(offsets)
 
 
 # --------------------------------------------------------------- tau table
 def run_tau(pair) -> list[dict]:
-  from dustin_jax.profiling.runtime import prefill_base, run_policy
   budget = int(FLAGS.budgets[0])
   ctx = int(FLAGS.contexts[0])
   gammas = [int(g) for g in FLAGS.gammas]
@@ -194,7 +185,7 @@ def run_tau(pair) -> list[dict]:
                   f"{FLAGS.max_new} greedy tokens each, batch {len(prompts)}, no EOS stop"
                   + (f"; {heads}" if heads else "")),
           decode_s=round(time.perf_counter() - t1, 2)))
-      save_records(FLAGS.tau_out, records)
+      write_json(FLAGS.tau_out, records)
       print(f"{name:14s} gamma={gamma} budget={b}: tau={s.tau:.3f} acc={s.acceptance_rate:.3f} "
             f"({time.perf_counter() - t1:.1f} s)", flush=True)
   print(f"tau table: {time.perf_counter() - t0:.1f} s -> {FLAGS.tau_out}", flush=True)
@@ -203,7 +194,6 @@ def run_tau(pair) -> list[dict]:
 
 def main(argv):
   del argv
-  from dustin_jax.profiling.runtime import load_pair
   t0 = time.perf_counter()
   pair = load_pair(FLAGS.pair, progress=FLAGS.progress)
   print(f"loaded {pair.model_name} in {time.perf_counter() - t0:.1f} s", flush=True)
@@ -221,11 +211,6 @@ def sparse_ppl(pair, base, policy, refs, gamma, return_top1=False):
   (the draft's guesses replaced by the real tokens; the whole block
   committed). Returns (ppl, n tokens) and, with `return_top1`, the target's
   argmax at every scored position (per sequence)."""
-  import numpy as np
-  from dustin_jax.decoding import DecodeStats
-  from dustin_jax.loop import decode_loop
-  from dustin_jax.profiling.runtime import fresh_state
-  from dustin_jax.speculative.step import SpecConfig, StepOptions, bind_spec_step
   cfg = SpecConfig(gamma=gamma, policy=policy)
   n_blocks = min(len(r) for r in refs) // (gamma + 1)
   blocks = [np.asarray([r[i * (gamma + 1):(i + 1) * (gamma + 1)] for r in refs], np.int32)
@@ -256,15 +241,10 @@ def agreement(tokens, ref_tokens) -> tuple[int, int]:
 
 
 def run_eval(pair):
-  import numpy as np
-  from dustin_jax.eval import tasks as tasklib
-  from dustin_jax.profiling.runtime import (QWEN_EOS, prefill_base, release_host_memory,
-                                            run_policy)
   out_path = os.path.join(FLAGS.out_dir, FLAGS.out_name)
   outputs_path = os.path.join(FLAGS.out_dir, FLAGS.out_name.replace(".json", "_outputs.json"))
   records = load_records(out_path)
-  outputs = load_records(outputs_path) if os.path.isfile(outputs_path) else []
-  outputs = {o["key"]: o for o in outputs} if isinstance(outputs, list) else {}
+  outputs = {o["key"]: o for o in load_records(outputs_path)}
   # a record is done only for the same items: its `source` names them (text
   # offsets, item count), so a rerun with other prompts replaces it
   key_of = lambda r: (r["model"], r["policy"], r["budget"], r["context"], r["task"],
@@ -296,8 +276,8 @@ def run_eval(pair):
             if done.get((pair.model_name, policy, budget, ctx, task, m, seed)) != source]
 
   def flush():
-    save_records(out_path, records)
-    save_records(outputs_path, list(outputs.values()))
+    write_json(out_path, records)
+    write_json(outputs_path, list(outputs.values()))
 
   for ctx in [int(c) for c in FLAGS.contexts]:
     # ---- batches: long-text continuation (+ sparse ppl), then each task
@@ -391,21 +371,6 @@ def run_eval(pair):
 
 def write_report(records, out_dir):
   """README.md (tables) and longctx.png (tau and accuracy vs budget)."""
-  import collections
-  import numpy as np
-  by = collections.defaultdict(list)
-  for r in records:
-    by[(r["model"], r["context"], r["policy"], r["budget"], r["metric"])].append(r)
-
-  def mean_of(rs, metric):
-    """n-weighted mean over tasks (accuracy: mean over tasks)."""
-    if not rs:
-      return None
-    if metric == "accuracy":
-      return float(np.mean([r["value"] for r in rs]))
-    w = np.asarray([max(r["n"], 1) for r in rs], float)
-    return float(np.sum(w * [r["value"] for r in rs]) / w.sum())
-
   lines = ["# Long-context evaluation", "",
            "Generated by `scripts/eval_longctx.py` from `longctx.json` (long-format "
            "records: model, policy, budget, context, task, metric, value, n, seed, source). "
@@ -423,29 +388,22 @@ def write_report(records, out_dir):
   for model in models:
     for ctx in sorted({r["context"] for r in records if r["model"] == model}):
       rs = [r for r in records if r["model"] == model and r["context"] == ctx]
-      tasks_here = sorted({r["task"] for r in rs})
-      lines += [f"## {model}, context {ctx}", "",
-                "| policy | budget | seeds | tau | acceptance | agreement | tf agreement | ARR | "
-                "ppl | accuracy |"
-                + "".join(f" {t} |" for t in tasks_here if not t.startswith("continuation")),
-                "|---|---|---|---|---|---|---|---|---|---|"
-                + "---|" * len([t for t in tasks_here if not t.startswith("continuation")])]
+      task_cols = sorted({r["task"] for r in rs if not r["task"].startswith("continuation")})
+      columns = ["policy", "budget", "seeds", *TABLE_METRICS.values(), *task_cols]
+      lines += [f"## {model}, context {ctx}", "", "| " + " | ".join(columns) + " |",
+                "|" + "---|" * len(columns)]
       keys = sorted({(r["policy"], r["budget"]) for r in rs},
                     key=lambda k: (k[1], POLICY_ORDER.index(k[0]) if k[0] in POLICY_ORDER else 9))
       for pol, b in keys:
-        cell = lambda metric, task=None: mean_of(
+        cell = lambda metric, task=None: mean_value(
             [r for r in rs if r["policy"] == pol and r["budget"] == b and r["metric"] == metric
              and (task is None or r["task"] == task)], metric)
         fmt = lambda v, d=3: "" if v is None else f"{v:.{d}f}"
         seeds = ",".join(str(x) for x in sorted({r["seed"] for r in rs
                                                   if r["policy"] == pol and r["budget"] == b}))
-        row = (f"| {pol} | {b} | {seeds} | {fmt(cell('tau'))} | {fmt(cell('acceptance'))} | "
-               f"{fmt(cell('agreement'))} | {fmt(cell('tf_agreement'))} | {fmt(cell('arr'))} | "
-               f"{fmt(cell('ppl'))} | "
-               f"{fmt(cell('accuracy'))} |")
-        row += "".join(f" {fmt(cell('accuracy', t), 2)} |" for t in tasks_here
-                       if not t.startswith("continuation"))
-        lines.append(row)
+        row = ([pol, str(b), seeds] + [fmt(cell(m)) for m in TABLE_METRICS]
+               + [fmt(cell("accuracy", t), 2) for t in task_cols])
+        lines.append("| " + " | ".join(row) + " |")
       lines.append("")
   lines += targets_section(records)
   lines += extra_sections(out_dir)
@@ -456,17 +414,9 @@ def write_report(records, out_dir):
 
 def targets_section(records, budget: int = 512) -> list[str]:
   """The issue's acceptance targets, checked from the records (budget 512)."""
-  import numpy as np
   lines = []
-
-  def val(rs, metric, tasks=None):
-    v = [r for r in rs if r["metric"] == metric and (tasks is None or r["task"] in tasks)]
-    if not v:
-      return None
-    if metric == "accuracy":
-      return float(np.mean([r["value"] for r in v]))
-    w = np.asarray([max(r["n"], 1) for r in v], float)
-    return float(np.sum(w * [r["value"] for r in v]) / w.sum())
+  val = lambda rs, metric, tasks=None: mean_value(
+      [r for r in rs if r["metric"] == metric and (tasks is None or r["task"] in tasks)], metric)
 
   for model in sorted({r["model"] for r in records}):
     for ctx in sorted({r["context"] for r in records if r["model"] == model}):
@@ -518,7 +468,6 @@ def targets_section(records, budget: int = 512) -> list[str]:
 
 def extra_sections(out_dir) -> list[str]:
   """The tau table (tau.json), the shipped SRH profile and the method notes."""
-  import glob
   lines = []
   tau_path = os.path.join(out_dir, "tau.json")
   if os.path.isfile(tau_path):
@@ -568,18 +517,29 @@ def extra_sections(out_dir) -> list[str]:
   return lines
 
 
+# the metrics of the README tables: record name -> column
+TABLE_METRICS = {"tau": "tau", "acceptance": "acceptance", "agreement": "agreement",
+                 "tf_agreement": "tf agreement", "arr": "ARR", "ppl": "ppl",
+                 "accuracy": "accuracy"}
 POLICY_ORDER = ["full", "dustin", "dustin_draft", "dustin_target", "quest", "streaming", "oracle"]
 
 
+def mean_value(rs, metric):
+  """The mean of the records' values: over tasks for accuracy, else
+  weighted by each record's count `n`; None without records."""
+  if not rs:
+    return None
+  if metric == "accuracy":
+    return float(np.mean([r["value"] for r in rs]))
+  w = np.asarray([max(r["n"], 1) for r in rs], float)
+  return float(np.sum(w * [r["value"] for r in rs]) / w.sum())
+
+
 def plot_report(records, path):
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-  import numpy as np
   ctxs = sorted({r["context"] for r in records})
   if not ctxs:
     return
-  fig, axes = plt.subplots(2, len(ctxs), figsize=(5 * len(ctxs), 7), squeeze=False)
+  fig, axes = pyplot().subplots(2, len(ctxs), figsize=(5 * len(ctxs), 7), squeeze=False)
   for j, ctx in enumerate(ctxs):
     for i, metric in enumerate(("tau", "accuracy")):
       ax = axes[i, j]
@@ -588,19 +548,11 @@ def plot_report(records, path):
         rs = [r for r in rs if r["task"].startswith("continuation")]   # at every budget
       budgets = sorted({r["budget"] for r in rs if r["budget"] > 0})
       for pol in POLICY_ORDER:
-        pts = []
-        for b in budgets:
-          v = [r for r in rs if r["policy"] == pol and r["budget"] == b]
-          if v:
-            vals = [r["value"] for r in v]
-            w = [max(r["n"], 1) for r in v] if metric == "tau" else [1] * len(v)
-            pts.append((b, float(np.average(vals, weights=w))))
-        full = [r for r in rs if r["policy"] == pol and r["budget"] == 0]
-        if pol == "full" and full:
-          vals = [r["value"] for r in full]
-          w = [max(r["n"], 1) for r in full] if metric == "tau" else [1] * len(full)
-          ax.axhline(float(np.average(vals, weights=w)), color="k", ls="--", lw=1,
-                     label="full")
+        at = lambda b: mean_value([r for r in rs if r["policy"] == pol and r["budget"] == b],
+                                  metric)
+        pts = [(b, at(b)) for b in budgets if at(b) is not None]
+        if pol == "full" and at(0) is not None:
+          ax.axhline(at(0), color="k", ls="--", lw=1, label="full")
         elif pts:
           ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=pol, ms=4)
       ax.set_xscale("log", base=2)
@@ -611,9 +563,7 @@ def plot_report(records, path):
       ax.grid(alpha=0.3)
       if i == 0 and j == 0:
         ax.legend(fontsize=7)
-  fig.tight_layout()
-  fig.savefig(path, dpi=100)
-  plt.close(fig)
+  save_figure(fig, path, dpi=100)
 
 
 if __name__ == "__main__":

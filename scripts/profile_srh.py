@@ -21,6 +21,14 @@ import time
 
 from absl import app
 from absl import flags
+import numpy as np
+
+from dustin_jax.assets import cache_root
+from dustin_jax.eval.texts import read_text
+from dustin_jax.profiling import collect, search
+from dustin_jax.profiling.collect import CalibItem
+from dustin_jax.profiling.runtime import LazyPair, text_prompt
+from dustin_jax.selection.srh import SRHConfig, load_srh, save_srh
 
 FLAGS = flags.FLAGS
 flags.DEFINE_enum("pair", "real", ["real", "tiny"], "model pair (tiny: random smoke models)")
@@ -48,9 +56,6 @@ flags.DEFINE_bool("progress", True, "progress bars")
 
 
 def calibration_items(tok, texts, contexts, n_items, seed):
-  import numpy as np
-  from dustin_jax.eval.texts import read_text
-  from dustin_jax.profiling.collect import CalibItem
   rng = np.random.default_rng(seed)
   items = []
   loaded = {}
@@ -58,31 +63,19 @@ def calibration_items(tok, texts, contexts, n_items, seed):
     for i in range(n_items):
       name = texts[i % len(texts)]
       text = loaded.setdefault(name, read_text(name, progress=False))
-      span = ctx * 8
-      while True:
-        off = int(rng.integers(0, max(1, len(text) - span)))
-        off = text.find("\n", off) + 1
-        ids = tok.encode(text[off:off + span])
-        if len(ids) >= ctx:
-          break
-      items.append(CalibItem(name, off, ids[:ctx]))
+      ids, off = text_prompt(tok, text, ctx, rng)
+      items.append(CalibItem(name, off, ids))
   return items
 
 
 def main(argv):
   del argv
-  from dustin_jax.profiling import collect, search
-  from dustin_jax.profiling.runtime import LazyPair
-  from dustin_jax.selection.srh import SRHConfig, load_srh, save_srh
   t_all = time.perf_counter()
   pair = LazyPair(FLAGS.pair, progress=FLAGS.progress)   # weights only if an item is not cached
   contexts = [int(c) for c in FLAGS.contexts]
   items = calibration_items(pair.tokenizer, FLAGS.texts, contexts, FLAGS.n_items, FLAGS.seed)
   max_len = max(contexts) + FLAGS.max_new + FLAGS.gamma + 2
-  from dustin_jax.assets import cache_root
-  cache_dir = FLAGS.cache_dir
-  if not cache_dir:
-    cache_dir = str(cache_root() / "calib")
+  cache_dir = FLAGS.cache_dir or str(cache_root() / "calib")
   t0 = time.perf_counter()
   paths = collect.collect(pair, items, cache_dir, gamma=FLAGS.gamma, max_new=FLAGS.max_new,
                           max_len=max_len, top_n=FLAGS.top_n, resume=FLAGS.resume,

@@ -9,12 +9,18 @@
 * `run_policy`: speculative decoding from such a state through the one step
   and the one loop, optionally with the ARR measured at every step
   (`StepOptions`), with per-step hooks;
-* `evaluate_arr`: speculative decoding of prompts with the ARR measured.
+* `evaluate_arr`: speculative decoding of prompts with the ARR measured;
+* `text_prompt`: a prompt cut from a real text at a random line start.
 """
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
+import gc
+import hashlib
+import json
+import os
 import time
 from typing import Callable, Sequence
 
@@ -22,8 +28,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dustin_jax import weights
+from dustin_jax.assets import ensure_model, load_tokenizer
 from dustin_jax.cache import KVCache
+from dustin_jax.config import ModelConfig
 from dustin_jax.decoding import DecodeState, DecodeStats, Model, StepOutput
+from dustin_jax.gguf_file import read_gguf, read_gguf_config
 from dustin_jax.loop import decode_loop
 from dustin_jax.models.prefill import DEFAULT_TOKEN_BLOCK
 from dustin_jax.prefill import prefill
@@ -39,7 +49,6 @@ class ByteTokenizer:
   """A byte-level tokenizer for the tiny random models of the smoke tests
   (ids = bytes + 3; 0..2 unused)."""
   vocab_size = 259
-  eos_ids: tuple[int, ...] = ()
 
   def encode(self, text: str) -> list[int]:
     return [b + 3 for b in text.encode("utf-8")]
@@ -51,9 +60,8 @@ class ByteTokenizer:
 class HFTokenizer:
   """The same two methods over a Hugging Face tokenizer (no special tokens)."""
 
-  def __init__(self, tok, eos_ids=QWEN_EOS):
+  def __init__(self, tok):
     self.tok = tok
-    self.eos_ids = tuple(eos_ids)
 
   def encode(self, text: str) -> list[int]:
     return list(self.tok(text, add_special_tokens=False)["input_ids"])
@@ -75,14 +83,11 @@ class Pair:
     return f"{self.target_name}+{self.draft_name}"
 
 
-def tiny_config(vocab: int = 259, layers: int = 3, hidden: int = 64, heads: int = 4,
-                kv_heads: int = 2):
-  from dustin_jax.config import ModelConfig
-  return ModelConfig.from_hf(dict(
-      model_type="qwen2", vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
-      num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-      max_position_embeddings=8192, rope_theta=1e4, tie_word_embeddings=True),
-      dtype="float32")
+# the tiny pair's models: 3 layers over the byte tokenizer's vocabulary
+TINY = dict(model_type="qwen2", vocab_size=ByteTokenizer.vocab_size, hidden_size=64,
+            intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=8192, rope_theta=1e4,
+            tie_word_embeddings=True)
 
 
 def _noisy(model: Model, scale: float, seed: int) -> Model:
@@ -96,7 +101,6 @@ def _noisy(model: Model, scale: float, seed: int) -> Model:
 def _random_model(cfg, seed: int) -> Model:
   """Random weights with a normal init (std 0.2 on matrices) so that the
   attention is peaked enough to be worth selecting from."""
-  from dustin_jax import weights
   graphdef, state = weights.random_params(cfg, seed=seed)
   leaves, tree = jax.tree_util.tree_flatten(state)
   keys = jax.random.split(jax.random.key(seed), len(leaves))
@@ -110,12 +114,10 @@ def load_pair(kind: str = "real", *, progress: bool = False) -> Pair:
   "tiny" (random 3-layer models with a byte tokenizer; the draft is a noisy
   copy of the target, so the draft agrees with it often but not always)."""
   if kind == "tiny":
-    cfg = tiny_config()
-    target = _random_model(cfg, seed=0)
+    target = _random_model(ModelConfig.from_hf(TINY, dtype="float32"), seed=0)
     return Pair(target, _noisy(target, 0.3, seed=1), ByteTokenizer(), "tiny-target", "tiny-draft")
   if kind != "real":
     raise ValueError(f"unknown model pair {kind!r}: 'real' or 'tiny'")
-  from dustin_jax.assets import ensure_model, load_tokenizer
   t = ensure_model(REAL_TARGET, progress=progress)
   d = ensure_model(REAL_DRAFT, progress=progress)
   target = Model(*load_gguf_lean(str(t)))
@@ -131,9 +133,6 @@ def load_gguf_lean(path: str, dtype: str = "float32"):
   plain path keeps every host array until the end, about twice the model in
   memory: ~13 GB for the 1.5B target in f32, more than this host can spare
   beside other jobs). Same functions, same result."""
-  from dustin_jax.config import ModelConfig
-  from dustin_jax.gguf_file import read_gguf
-  from dustin_jax.weights import load_gguf_checkpoint, params_from_hf_tensors
   hf_config, tensors = read_gguf(path, progress=False)
   cfg = ModelConfig.from_hf(hf_config, dtype=dtype)
   names, seen = set(tensors), set()
@@ -145,10 +144,10 @@ def load_gguf_lean(path: str, dtype: str = "float32"):
     return tensors[name]
 
   try:
-    graphdef, state = params_from_hf_tensors(cfg, get, names, source=path)
+    graphdef, state = weights.params_from_hf_tensors(cfg, get, names, source=path)
   except KeyError:                # a tensor used by two parameters: the plain loader
     del tensors
-    return load_gguf_checkpoint(path, dtype=dtype)
+    return weights.load_gguf_checkpoint(path, dtype=dtype)
   return cfg, graphdef, state
 
 
@@ -193,16 +192,12 @@ class LazyPair:
   def tokenizer(self):
     if self._pair is not None:
       return self._pair.tokenizer
-    from dustin_jax.assets import ensure_model, load_tokenizer
     return HFTokenizer(load_tokenizer(ensure_model(REAL_TARGET, progress=self.progress)))
 
   def configs(self):
     """(target ModelConfig, draft ModelConfig) without loading weights."""
     if self._pair is not None:
       return self._pair.target.cfg, self._pair.draft.cfg
-    from dustin_jax.assets import ensure_model
-    from dustin_jax.config import ModelConfig
-    from dustin_jax.gguf_file import read_gguf_config
     return tuple(ModelConfig.from_hf(read_gguf_config(str(ensure_model(n, progress=False))),
                                      dtype="float32") for n in (REAL_TARGET, REAL_DRAFT))
 
@@ -210,8 +205,6 @@ class LazyPair:
 def release_host_memory() -> None:
   """Give the dequantisation temporaries back to the OS (glibc keeps freed
   heap otherwise: ~2 GB for the real pair, which matters on a 24 GB host)."""
-  import ctypes
-  import gc
   gc.collect()
   try:
     ctypes.CDLL("libc.so.6").malloc_trim(0)
@@ -246,9 +239,6 @@ def prefill_base(pair: Pair, prompts: Sequence[Sequence[int]], max_len: int, *,
   b = len(prompts)
   path = None
   if cache_dir:
-    import hashlib
-    import json
-    import os
     # rows only: any max_len >= the prompts can reuse them
     key = hashlib.sha256(json.dumps([pair.model_name, pair.target.cfg.dtype,
                                      [list(map(int, p)) for p in prompts]])
@@ -327,8 +317,6 @@ class RunResult:
   stats: DecodeStats
   arr: float | None = None          # mean over active (sequence, step) pairs, if measured
   arr_n: int = 0                    # those pairs
-  accepted_per_seq: list = dataclasses.field(default_factory=list)
-  steps_per_seq: list = dataclasses.field(default_factory=list)
 
 
 def run_policy(pair: Pair, base: Base, policy, *, gamma: int, max_new_tokens: int,
@@ -346,21 +334,12 @@ def run_policy(pair: Pair, base: Base, policy, *, gamma: int, max_new_tokens: in
   b = len(base.prompts)
   stats = DecodeStats(gamma=gamma, prompt_tokens=sum(len(p) - 1 for p in base.prompts),
                       prefill_s=base.prefill_s)
-  res = RunResult([], stats, accepted_per_seq=[0] * b, steps_per_seq=[0] * b)
   meter = ARRMeter()
-
-  def on_output(out):
-    for i in np.flatnonzero(out.active):
-      res.accepted_per_seq[i] += int(out.n_accepted[i])
-      res.steps_per_seq[i] += 1
-    meter(out)
-
   step = bind_spec_step(pair.target, pair.draft, cfg, options)
-  res.tokens, _ = decode_loop(step, fresh_state(base, policy, max_new_tokens, seed), stats,
-                              on_step=on_step, on_output=on_output, progress=progress,
-                              total=max_new_tokens * b, desc=f"{policy.name} g{gamma}")
-  res.arr, res.arr_n = meter.mean, meter.n
-  return res
+  tokens, _ = decode_loop(step, fresh_state(base, policy, max_new_tokens, seed), stats,
+                          on_step=on_step, on_output=meter, progress=progress,
+                          total=max_new_tokens * b, desc=f"{policy.name} g{gamma}")
+  return RunResult(tokens, stats, meter.mean, meter.n)
 
 
 def evaluate_arr(target: Model, draft: Model, prompts: Sequence[Sequence[int]], *,
@@ -375,3 +354,15 @@ def evaluate_arr(target: Model, draft: Model, prompts: Sequence[Sequence[int]], 
       options=StepOptions(verify=verify, measure_arr=True), seed=seed, token_block=token_block,
       on_output=meter)
   return tokens, stats, meter
+
+
+def text_prompt(tok, text: str, ctx: int, rng) -> tuple[list[int], int]:
+  """(the first `ctx` tokens, char offset) of `text` from a line start drawn
+  by `rng`, drawing again where the span there encodes to fewer tokens."""
+  span = ctx * 8
+  while True:
+    off = int(rng.integers(0, max(1, len(text) - span)))
+    off = text.find("\n", off) + 1
+    ids = tok.encode(text[off:off + span])
+    if len(ids) >= ctx:
+      return ids[:ctx], off
