@@ -13,6 +13,7 @@ import importlib.metadata
 import json
 import math
 import os
+import types
 from typing import Any, Mapping
 
 import numpy as np
@@ -188,18 +189,31 @@ class ModelConfig:
     )
 
 
+# transformers' defaults of the fields `from_hf` reads that a config.json or
+# dict may leave out (LlamaConfig / Qwen2Config): dicts and files are read
+# without transformers, whose import (torch with it) costs seconds of load
+_HF_DEFAULTS = {
+    "llama": dict(hidden_act="silu", max_position_embeddings=2048, rms_norm_eps=1e-6,
+                  tie_word_embeddings=False, rope_theta=10000.0, attention_bias=False,
+                  mlp_bias=False, bos_token_id=1, eos_token_id=2),
+    "qwen2": dict(hidden_act="silu", max_position_embeddings=32768, rms_norm_eps=1e-6,
+                  tie_word_embeddings=False, rope_theta=10000.0, use_sliding_window=False),
+}
+
+
 def _as_hf_config(hf: Any):
-  from transformers import AutoConfig, PretrainedConfig  # heavy: import lazily
-  if isinstance(hf, PretrainedConfig):
-    return hf
+  """The fields of a transformers config object, a dict, or a directory /
+  config.json path, as attributes."""
   if isinstance(hf, Mapping):
     d = dict(hf)
-    model_type = d.pop("model_type", None)
+    model_type = d.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
       raise ConfigError(
           f"unsupported architecture model_type={model_type!r}: dustin_jax "
           f"serves {', '.join(SUPPORTED_MODEL_TYPES)}.")
-    return AutoConfig.for_model(model_type, **d)
+    return types.SimpleNamespace(**{**_HF_DEFAULTS[model_type], **d})
+  if not isinstance(hf, (str, os.PathLike)):
+    return hf  # a transformers PretrainedConfig
   path = os.fspath(hf)
   if os.path.isdir(path):
     path = os.path.join(path, "config.json")
