@@ -63,6 +63,15 @@ def default_cache_dir() -> pathlib.Path:
   return cache_root() / "xla"
 
 
+def use_compile_cache(setting: str) -> pathlib.Path | None:
+  """The compilation cache a run's setting asks for: "auto" keeps it under
+  the project's cache root, "" turns it off, anything else is the directory
+  to keep it in. Returns the directory (None: off)."""
+  if not setting:
+    return None
+  return enable_persistent_cache(None if setting == "auto" else setting)
+
+
 def enable_persistent_cache(path: str | os.PathLike | None = None) -> pathlib.Path:
   """Keep compiled XLA executables in `path` (default `<cache root>/xla`),
   every compile (a cache load is cheaper than any compile but the most

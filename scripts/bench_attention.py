@@ -42,7 +42,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from scripts.benchmarking import DeviceTimer, median_seconds, pyplot, save_figure, write_json
+from scripts.benchmarking import (DeviceTimer, compile_cache_from_flag, median_seconds, pyplot,
+                                  save_figure, write_json)
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("out_dir", "results/h200", "where JSON and PNG go")
@@ -618,6 +619,7 @@ def plot(records, path):
 
 def main(argv):
   del argv
+  compile_cache_from_flag()
   if FLAGS.smoke:
     for name, value in SMOKE.items():
       setattr(FLAGS, name, value)

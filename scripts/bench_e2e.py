@@ -49,8 +49,8 @@ from dustin_jax.config import ModelConfig, append_xla_flags
 from dustin_jax.selection.policies import policy_from_config
 from dustin_jax.speculative.step import SpecConfig, SpecState, bind_spec_step
 from dustin_jax.vanilla import VanillaState, bind_vanilla_step
-from scripts.benchmarking import (DeviceTimer, benchmark_pairs, floor_bytes, floor_time,
-                                  fresh_decode_state, phase_device_ms, pyplot, random_cache,
+from scripts.benchmarking import (DeviceTimer, benchmark_pairs, compile_cache_from_flag,
+                                  floor_bytes, floor_time, fresh_decode_state, phase_device_ms, pyplot, random_cache,
                                   random_model, save_figure, spec_state_at, write_json)
 
 flags.DEFINE_string("out_dir", "results/h200", "where e2e.json and e2e.png go")
@@ -75,8 +75,6 @@ flags.DEFINE_list("target_layers", [], "time the target with only these many lay
                   "`projected_from`): how a 72B target is measured on one GPU")
 flags.DEFINE_string("tau_json", "results/eval/tau.json", "tau per (policy, gamma, budget)")
 flags.DEFINE_float("time_budget_s", 540, "stop starting new configs after this long")
-flags.DEFINE_string("compile_cache_dir", "/tmp/dustin_jax_compile_cache",
-                    "persistent XLA compilation cache of this run")
 flags.DEFINE_bool("smoke", False, "tiny shapes on CPU (schema test)")
 flags.DEFINE_string("reprice", "", "an existing e2e.json: fill in tau, tokens/s and speedups "
                     "from --tau_json (no device needed), rewrite it and its plot")
@@ -240,10 +238,9 @@ def main(argv):
   if FLAGS.reprice:
     return reprice(FLAGS.reprice)
   append_xla_flags(FLAGS.xla_flags)
-  # the step's memory statistics come from an AOT compile; with this cache
+  # the step's memory statistics come from an AOT compile; with the cache
   # the jitted call that follows loads that executable instead of compiling again
-  jax.config.update("jax_compilation_cache_dir", FLAGS.compile_cache_dir)
-  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+  compile_cache_from_flag()
   t_start = time.perf_counter()
   os.makedirs(FLAGS.out_dir, exist_ok=True)
   out_json = os.path.join(FLAGS.out_dir, "e2e.json")

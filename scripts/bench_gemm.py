@@ -36,7 +36,8 @@ import jax
 import jax.numpy as jnp
 
 from dustin_jax.config import ModelConfig, append_xla_flags
-from scripts.benchmarking import DeviceTimer, benchmark_pairs, pyplot, save_figure, write_json
+from scripts.benchmarking import (DeviceTimer, benchmark_pairs, compile_cache_from_flag, pyplot,
+                                  save_figure, write_json)
 
 flags.DEFINE_string("out_dir", "results/h200", "where gemm.json and gemm.png go")
 flags.DEFINE_list("models", ["qwen7b"], "benchmark pairs (configs.shapes.PAIRS)")
@@ -82,6 +83,7 @@ def projections(cfg, ways: int) -> dict[str, tuple[int, int]]:
 def main(argv):
   del argv
   append_xla_flags(FLAGS.xla_flags)
+  compile_cache_from_flag()
   out_json = os.path.join(FLAGS.out_dir, "gemm.json")
   dtype = jnp.bfloat16
   device = jax.devices()[0].device_kind

@@ -53,8 +53,8 @@ from dustin_jax.models import prefill as lm
 from dustin_jax.prefill import prefill_chunked
 from dustin_jax.profiling.runtime import REAL_DRAFT, REAL_TARGET, load_gguf_lean
 from kernels.prefill_attention.reference import prefill_attention_reference
-from scripts.benchmarking import (benchmark_pairs, median_seconds, pyplot, random_model,
-                                  save_figure, write_json)
+from scripts.benchmarking import (benchmark_pairs, compile_cache_from_flag, median_seconds, pyplot,
+                                  random_model, save_figure, write_json)
 
 flags.DEFINE_string("out", "results/h200/prefill.json", "JSON records; the PNG goes beside it")
 flags.DEFINE_list("pairs", ["qwen7b", "llama3_8b"], "benchmark pairs (configs.shapes.PAIRS)")
@@ -74,8 +74,6 @@ flags.DEFINE_integer("repeats", 1, "timed calls per measurement (median)")
 flags.DEFINE_integer("warmup", -1, "untimed calls after compiling (-1: 1 on GPU/TPU, 0 on CPU, "
                      "where one call of the real pair takes minutes)")
 flags.DEFINE_float("time_budget_s", 0, "stop starting new configurations after this long (0: none)")
-flags.DEFINE_string("compile_cache_dir", "/tmp/dustin_jax_compile_cache",
-                    "persistent XLA compilation cache (a re-run skips the compiles; empty: off)")
 flags.DEFINE_bool("smoke", False, "tiny random pair (configs.tiny), for the CPU schema test")
 FLAGS = flags.FLAGS
 
@@ -190,9 +188,7 @@ def load_real_pair():
 
 def main(argv):
   del argv
-  if FLAGS.compile_cache_dir:
-    jax.config.update("jax_compilation_cache_dir", FLAGS.compile_cache_dir)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+  compile_cache_from_flag()
   t_start = time.perf_counter()
   platform = jax.default_backend()
   device = jax.devices()[0].device_kind

@@ -22,13 +22,27 @@ import time
 
 import jax
 import jax.numpy as jnp
+from absl import flags
 
 from dustin_jax.cache import KVCache, cache_shardings
+from dustin_jax.compilation import use_compile_cache
 from dustin_jax.config import ModelConfig
 from dustin_jax.decoding import DecodeState, Model
 from dustin_jax.sharding import shard_batch_tree
 from dustin_jax.speculative.step import SpecConfig, SpecState
 from dustin_jax.weights import place_model, random_fill, random_params
+
+
+# every script's compilation cache (one definition: scripts imported into one
+# process share it)
+flags.DEFINE_string("compile_cache", "auto", "persistent XLA compilation cache: 'auto' "
+                    "(<cache root>/xla), a directory, or '' (off)")
+
+
+def compile_cache_from_flag():
+  """Turn on the compilation cache `--compile_cache` names (a re-run loads
+  its programs instead of compiling them)."""
+  return use_compile_cache(flags.FLAGS.compile_cache)
 
 
 def load_trace_events(trace_dir: str) -> list:

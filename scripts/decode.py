@@ -25,9 +25,18 @@ import sys
 import tempfile
 import time
 
+import jax
 from absl import app
 from absl import flags
 from ml_collections import config_flags
+
+from dustin_jax import run as runlib
+from dustin_jax.compilation import CompileClock, use_compile_cache
+from dustin_jax.config import ConfigError, append_xla_flags
+from dustin_jax.run import USER_ERRORS
+from dustin_jax.speculative.engine import generate_speculative, init_state
+from dustin_jax.speculative.step import bind_spec_step
+from dustin_jax.vanilla import generate
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "ml_collections run config file.",
                                           lock_config=True)
@@ -35,13 +44,6 @@ flags.mark_flags_as_required(["config"])
 
 
 def run(c) -> dict:
-  import jax
-  from dustin_jax import run as runlib
-  from dustin_jax.compilation import CompileClock
-  from dustin_jax.speculative.engine import generate_speculative, init_state
-  from dustin_jax.speculative.step import bind_spec_step
-  from dustin_jax.vanilla import generate
-
   t0 = time.perf_counter()
   with CompileClock() as clock:
     b = runlib.build(c)
@@ -56,7 +58,7 @@ def run(c) -> dict:
   total_s = time.perf_counter() - t0
   phases = None
   if c.time_phases and c.method == "speculative":
-    from scripts.benchmarking import phase_device_ms
+    from scripts.benchmarking import phase_device_ms  # measurement: only when asked for
     st = init_state(b.target, b.draft, b.prompts, cfg=b.spec, max_new_tokens=c.max_new_tokens,
                     max_len=c.max_len, seed=c.seed, token_block=c.prefill_block)
     phases, _ = phase_device_ms(bind_spec_step(b.target, b.draft, b.spec), st, steps=3)
@@ -103,7 +105,6 @@ def print_result(r) -> None:
 def check_output(path: str) -> None:
   """Create the directory of `path` and prove it writable, before any work:
   a run never ends with results it cannot write."""
-  from dustin_jax.config import ConfigError
   full = os.path.abspath(path)
   if os.path.isdir(full) or path.endswith(os.sep):
     raise ConfigError(f"output_json {path!r} is a directory: give a file name, e.g. "
@@ -154,8 +155,6 @@ def main(argv):
   # JAX logs each backend it fails to find (no TPU here) at INFO: noise
   # beside a one-line error
   logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
-  from dustin_jax.config import append_xla_flags
-  from dustin_jax.run import USER_ERRORS
   c = _CONFIG.value
   append_xla_flags(c.xla_flags)  # nothing has started the backend yet
   if c.mem_fraction:
@@ -165,13 +164,11 @@ def main(argv):
   try:
     if c.output_json:
       check_output(c.output_json)
-    if c.compile_cache:
-      from dustin_jax.compilation import enable_persistent_cache
-      try:
-        enable_persistent_cache(None if c.compile_cache == "auto" else c.compile_cache)
-      except OSError as e:
-        _fail(f"compile_cache {c.compile_cache!r}: cannot use {e.filename!r} ({e.strerror}): "
-              "give a writable directory, or --config.compile_cache='' to compile every run")
+    try:
+      use_compile_cache(c.compile_cache)
+    except OSError as e:
+      _fail(f"compile_cache {c.compile_cache!r}: cannot use {e.filename!r} ({e.strerror}): "
+            "give a writable directory, or --config.compile_cache='' to compile every run")
     r = run(c)
   except USER_ERRORS as e:
     _fail(e)

@@ -61,7 +61,7 @@ from dustin_jax.profiling.runtime import (QWEN_EOS, fresh_state, load_pair, pref
 from dustin_jax.selection.policies import policy_from_config
 from dustin_jax.selection.srh import load_srh
 from dustin_jax.speculative.step import SpecConfig, StepOptions, bind_spec_step
-from scripts.benchmarking import pyplot, save_figure, write_json
+from scripts.benchmarking import compile_cache_from_flag, pyplot, save_figure, write_json
 
 FLAGS = flags.FLAGS
 flags.DEFINE_enum("pair", "real", ["real", "tiny"], "real: the offline Qwen2.5-Coder "
@@ -194,6 +194,7 @@ def run_tau(pair) -> list[dict]:
 
 def main(argv):
   del argv
+  compile_cache_from_flag()
   t0 = time.perf_counter()
   pair = load_pair(FLAGS.pair, progress=FLAGS.progress)
   print(f"loaded {pair.model_name} in {time.perf_counter() - t0:.1f} s", flush=True)

@@ -29,6 +29,7 @@ from dustin_jax.profiling import collect, search
 from dustin_jax.profiling.collect import CalibItem
 from dustin_jax.profiling.runtime import LazyPair, text_prompt
 from dustin_jax.selection.srh import SRHConfig, load_srh, save_srh
+from scripts.benchmarking import compile_cache_from_flag
 
 FLAGS = flags.FLAGS
 flags.DEFINE_enum("pair", "real", ["real", "tiny"], "model pair (tiny: random smoke models)")
@@ -70,6 +71,7 @@ def calibration_items(tok, texts, contexts, n_items, seed):
 
 def main(argv):
   del argv
+  compile_cache_from_flag()
   t_all = time.perf_counter()
   pair = LazyPair(FLAGS.pair, progress=FLAGS.progress)   # weights only if an item is not cached
   contexts = [int(c) for c in FLAGS.contexts]

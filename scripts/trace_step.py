@@ -31,8 +31,8 @@ from dustin_jax.config import ModelConfig, append_xla_flags
 from dustin_jax.selection.policies import policy_from_config
 from dustin_jax.speculative.step import SpecConfig, bind_spec_step
 from dustin_jax.vanilla import VanillaState, bind_vanilla_step
-from scripts.benchmarking import (attribute_phases, busy_time, device_events,
-                                  fresh_decode_state, hlo_phases, load_trace_events,
+from scripts.benchmarking import (attribute_phases, busy_time, compile_cache_from_flag,
+                                  device_events, fresh_decode_state, hlo_phases, load_trace_events,
                                   random_cache, random_model, spec_state_at, write_json)
 
 flags.DEFINE_string("out_dir", "results/h200", "where trace_step.json goes")
@@ -117,6 +117,7 @@ def brief(measures: dict) -> dict:
 def main(argv):
   del argv
   append_xla_flags(FLAGS.xla_flags)
+  compile_cache_from_flag()
   thf, dhf = shapes.PAIRS[FLAGS.model]
   layers, b, ctx = None, FLAGS.batch, FLAGS.context
   if FLAGS.smoke:
