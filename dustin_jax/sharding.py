@@ -42,13 +42,17 @@ RULES = {
     "draft_tokens": None,
 }
 
-# parameter name (last two path parts) -> logical axes of its array
+# parameter name (last two path parts) -> logical axes of its array. The
+# fused projections' columns are grouped (models/decoder.py `qkv_columns`,
+# `gate_up_columns`): qkv_proj per KV head (its query heads, k, v), gate_up_proj
+# per MLP unit (gate, up), so an even split of the columns over the model axis
+# gives each device whole groups whenever the KV heads (the units) divide
+# (when they do not, the split cuts groups and XLA gathers the GEMM's output,
+# as it did for q/k/v split mid-head: the attention then runs replicated).
 _PARAM_AXES = {
-    ("q_proj", "kernel"): ("embed", "heads"), ("q_proj", "bias"): ("heads",),
-    ("k_proj", "kernel"): ("embed", "kv_heads"), ("k_proj", "bias"): ("kv_heads",),
-    ("v_proj", "kernel"): ("embed", "kv_heads"), ("v_proj", "bias"): ("kv_heads",),
+    ("qkv_proj", "kernel"): ("embed", "kv_heads"), ("qkv_proj", "bias"): ("kv_heads",),
     ("o_proj", "kernel"): ("heads", "embed"), ("o_proj", "bias"): ("embed",),
-    ("gate_proj", "kernel"): ("embed", "mlp"), ("up_proj", "kernel"): ("embed", "mlp"),
+    ("gate_up_proj", "kernel"): ("embed", "mlp"),
     ("down_proj", "kernel"): ("mlp", "embed"),
     ("lm_head", "kernel"): ("embed", "vocab"),
 }
@@ -117,7 +121,7 @@ def _on(size: int, mesh_axis: str | None, mesh: Mesh):
 
 def leaves_with_paths(tree) -> list[tuple[tuple, object]]:
   """(path, leaf) of every leaf of a pure dict, each path a tuple of plain
-  keys and list indices (`("layers", 0, "mlp", "up_proj", "kernel")`): the
+  keys and list indices (`("layers", 0, "mlp", "down_proj", "kernel")`): the
   names `param_axes` and the checkpoint loaders key parameters by."""
   out = []
   for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
@@ -232,11 +236,11 @@ def memory_plan(target: ModelConfig, draft: ModelConfig | None, *, batch: int, m
     el = jnp.dtype(cfg.dtype).itemsize
     d, hd, f, v = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size, cfg.vocab_size
     kv = cfg.num_kv_heads * kv_replication(cfg, model)
-    q, k = cfg.num_heads * hd, kv * hd  # columns, split like param_shardings does
-    per_layer = (2 * d * q // _shards(q, model) + 2 * d * k // _shards(k, model)
-                 + 3 * d * f // _shards(f, model) + 2 * d)
+    q, qkv = cfg.num_heads * hd, (cfg.num_heads + 2 * kv) * hd  # split like param_shardings
+    per_layer = (d * qkv // _shards(qkv, model) + d * q // _shards(q, model)
+                 + 2 * d * f // _shards(2 * f, model) + d * f // _shards(f, model) + 2 * d)
     if cfg.qkv_bias:
-      per_layer += q // _shards(q, model) + 2 * k // _shards(k, model)
+      per_layer += qkv // _shards(qkv, model)
     emb = v * d // _shards(v, model) * (1 if cfg.tie_embeddings else 2)
     return (cfg.num_layers * per_layer + emb + d) * el
 

@@ -85,7 +85,7 @@ def test_real_pair_policies_full_budget_lossless_and_oracle_bounds_arr(qwen_pair
   exactly full verification for every policy; at a budget below it, the
   oracle's ARR bounds every other policy's (same trajectory: verify="full")."""
   from dustin_jax.eval.texts import read_text
-  from dustin_jax.selection.arr import evaluate_arr
+  from dustin_jax.profiling.runtime import evaluate_arr
   from dustin_jax.selection.policies import policy_from_config
   from dustin_jax.speculative.engine import generate_speculative
   from dustin_jax.speculative.step import SpecConfig

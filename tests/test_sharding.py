@@ -44,8 +44,13 @@ def test_sharded_speculative_equals_unsharded(models, data, model, policy, rng):
                                 cfg=SpecConfig(gamma=3, policy=pol))
   mesh = sharding.make_mesh(data, model)
   t, d = shard(target, mesh), shard(draft, sharding.draft_mesh(mesh))
-  q = t.state["layers"][0]["self_attn"]["q_proj"]["kernel"][...]
-  assert q.sharding.spec == jax.sharding.PartitionSpec(None, "model")
+  qkv = t.state["layers"][0]["self_attn"]["qkv_proj"]["kernel"][...]
+  assert qkv.sharding.spec == jax.sharding.PartitionSpec(None, "model")
+  if model > 1:  # each device holds whole KV-head groups: its query heads, k and v
+    r, hd = t.cfg.num_heads // t.cfg.num_kv_heads, t.cfg.head_dim
+    assert qkv.sharding.shard_shape(qkv.shape)[1] % ((r + 2) * hd) == 0
+    gate_up = t.state["layers"][0]["mlp"]["gate_up_proj"]["kernel"][...]
+    assert gate_up.sharding.spec == jax.sharding.PartitionSpec(None, "model")
   # the policy of the (KV-replicated) sharded models: same heads, same budget
   pol = policy_from_config(fields, t.cfg, d.cfg)
   ours, _ = generate_speculative(t, d, prompts, max_new_tokens=10, max_len=64,

@@ -22,7 +22,7 @@ def _pure(state):
 def test_loaded_params_equal_hf_tensors(tiny_qwen):
   path, hf = tiny_qwen
   cfg, _, state = load_hf_checkpoint(path, dtype="float32")
-  ours = hf_tensors_from_params(state)
+  ours = hf_tensors_from_params(cfg, state)
   theirs = {k: v.numpy() for k, v in hf.state_dict().items()}
   theirs.pop("lm_head.weight")  # tied to the embedding in this config
   assert cfg.tie_embeddings and set(ours) == set(theirs)

@@ -3,6 +3,11 @@
 The architectures differ only in flags of `ModelConfig` (q/k/v bias, tied
 embeddings, rope scaling). Linear kernels are stored `[in, out]`.
 
+Each layer runs two fused projections of its normed input: `qkv_proj`
+(the q, k and v columns) and `gate_up_proj` (gate and up), one GEMM each
+(`qkv_columns` / `gate_up_columns` give the column layouts; the loaders in
+`weights.py` assemble them from the Hugging Face tensors).
+
 Attention reads the KV cache through `kernels/`: the full cache
 (`decode_attention`) or, when `kv_indices` is given, only those context rows
 plus the new block (`sparse_verify`) -- the seam the selection policies use.
@@ -14,6 +19,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
@@ -98,23 +104,50 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
   return out.astype(x.dtype)
 
 
+def qkv_columns(num_heads: int, num_kv_heads: int, head_dim: int) -> np.ndarray:
+  """The layout of `qkv_proj`'s columns: column j is column `order[j]` of
+  the Hugging Face q, k, v projections side by side (`[q | k | v]`).
+
+  Grouped per KV head g: the r = Hq / Hkv query heads g*r .. g*r+r-1 that
+  read it (Hugging Face GQA), then k_g, then v_g, each head_dim wide. A
+  contiguous shard of whole groups (tensor parallelism over KV heads) holds
+  its query heads and their KV head: the sharded GEMM needs no gather."""
+  r, hd = num_heads // num_kv_heads, head_dim
+  q = np.arange(num_heads * hd).reshape(num_kv_heads, r, hd)
+  k = num_heads * hd + np.arange(num_kv_heads * hd).reshape(num_kv_heads, 1, hd)
+  v = k + num_kv_heads * hd
+  return np.concatenate([q, k, v], axis=1).reshape(-1)
+
+
+def gate_up_columns(intermediate_size: int) -> np.ndarray:
+  """The layout of `gate_up_proj`'s columns (as `qkv_columns`, over
+  `[gate | up]`): `[F, 2]` flattened, column 2j gate_j and 2j+1 up_j, so a
+  contiguous shard over F holds matching pairs."""
+  f = intermediate_size
+  return np.stack([np.arange(f), f + np.arange(f)], axis=1).reshape(-1)
+
+
 class Attention(nnx.Module):
 
   def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
     d, hd = cfg.hidden_size, cfg.head_dim
     self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, hd
-    self.q_proj = Linear(d, cfg.num_heads * hd, bias=cfg.qkv_bias, dtype=dtype, rngs=rngs)
-    self.k_proj = Linear(d, cfg.num_kv_heads * hd, bias=cfg.qkv_bias, dtype=dtype, rngs=rngs)
-    self.v_proj = Linear(d, cfg.num_kv_heads * hd, bias=cfg.qkv_bias, dtype=dtype, rngs=rngs)
+    # q, k, v of every KV-head group in one matrix (`qkv_columns`): one GEMM
+    # streams one wide matrix (k and v alone are skinny) and one launch
+    # instead of three per layer pass
+    self.qkv_proj = Linear(d, (cfg.num_heads + 2 * cfg.num_kv_heads) * hd, bias=cfg.qkv_bias,
+                           dtype=dtype, rngs=rngs)
     self.o_proj = Linear(cfg.num_heads * hd, d, bias=cfg.o_bias, dtype=dtype, rngs=rngs)
 
   def qkv(self, x, cos, sin):
     """Queries [B, T, Hq, D], keys and values [B, T, Hkv, D] of normed `x`
     [B, T, d], q and k after rope."""
     b, t, _ = x.shape
-    q = self.q_proj(x).reshape(b, t, self.num_heads, self.head_dim)
-    k = self.k_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
-    v = self.v_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
+    g, hd = self.num_kv_heads, self.head_dim
+    r = self.num_heads // g
+    qkv = self.qkv_proj(x).reshape(b, t, g, r + 2, hd)
+    q = qkv[:, :, :, :r].reshape(b, t, self.num_heads, hd)
+    k, v = qkv[:, :, :, r], qkv[:, :, :, r + 1]
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
   def out(self, attn):
@@ -132,12 +165,12 @@ class MLP(nnx.Module):
 
   def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
     d, f = cfg.hidden_size, cfg.intermediate_size
-    self.gate_proj = Linear(d, f, bias=False, dtype=dtype, rngs=rngs)
-    self.up_proj = Linear(d, f, bias=False, dtype=dtype, rngs=rngs)
+    self.gate_up_proj = Linear(d, 2 * f, bias=False, dtype=dtype, rngs=rngs)  # gate_up_columns
     self.down_proj = Linear(f, d, bias=False, dtype=dtype, rngs=rngs)
 
   def __call__(self, x):
-    return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+    gate_up = self.gate_up_proj(x).reshape(x.shape[:-1] + (-1, 2))
+    return self.down_proj(jax.nn.silu(gate_up[..., 0]) * gate_up[..., 1])
 
 
 class Block(nnx.Module):
