@@ -55,8 +55,8 @@ flags.DEFINE_list("batches", ["16", "8", "1"], "batch sizes")
 flags.DEFINE_list("budgets", ["256", "512", "1024", "2048"], "sparse budgets K")
 flags.DEFINE_list("kernels", ["decode", "sparse", "xla", "jax_gqa", "srh"],
                   "which kernels")
-flags.DEFINE_list("budget_shapes", [], "if set, 'ctx:batch' pairs where all "
-                  "budgets run; elsewhere only 512")
+flags.DEFINE_list("budget_shapes", [], "'ctx:batch' pairs where sparse_verify runs every "
+                  "budget, elsewhere only 512 (default: the largest context x batch)")
 flags.DEFINE_list("srh_models", ["qwen2.5-7b"], "models for the srh estimate")
 flags.DEFINE_list("srh_budgets", ["512", "2048"], "top-k sizes for the srh "
                   "estimate at the largest shape (512 elsewhere)")
@@ -486,7 +486,9 @@ class Bench:
       if "decode" in ks:
         self.guard("decode", lambda: self.run_decode(sh, check=check))
       if "sparse" in ks:
-        kset = budgets if (is_primary and not ragged) else (
+        every_budget = (f"{ctx}:{B}" in FLAGS.budget_shapes if FLAGS.budget_shapes
+                        else is_primary)
+        kset = budgets if (every_budget and not ragged) else (
             [k for k in budgets if k == 512] or budgets[:1])
         for K in kset:
           self.guard(f"sparse K={K}", lambda: self.run_sparse(
