@@ -291,3 +291,55 @@ def test_qwen_0_5b_matches_transformers(tmp_path):
     np.testing.assert_allclose(ours[name], want.numpy(), rtol=0, atol=1e-6, err_msg=name)
   assert cfg["tie_word_embeddings"] is False and cfg["model_type"] == "qwen2"
   assert cfg["rms_norm_eps"] == 1e-6 and cfg["rope_theta"] == 1e6
+
+
+def test_header_reader_equals_gguf_reader_and_refuses_cut_files(tmp_path):
+  """Metadata of every value type and the tensor views (f32, f16, Q8_0) read
+  by our header reader equal gguf.GGUFReader's; a file cut inside its
+  metadata or tensor table is refused with one clear error."""
+  from dustin_jax.config import CheckpointError
+  from dustin_jax.gguf_file import read_gguf_metadata
+
+  path = tmp_path / "t.gguf"
+  w = GGUFWriter(str(path), "qwen2")
+  w.add_block_count(L)
+  w.add_string("test.text", "héllo ✓")
+  w.add_bool("test.flag", True)
+  w.add_float32("test.eps", 1e-5)
+  w.add_float64("test.f64", 0.1)
+  w.add_int64("test.i64", -(2 ** 40))
+  w.add_array("test.words", ["a", "", "ünï", "Ġ Ġ"])
+  w.add_array("test.ints", [3, -1, 7])
+  w.add_array("test.floats", [0.5, 1e-5])
+  tensors = hf_tensors("qwen2", tied=True)
+  for hf, arr in tensors.items():
+    if hf == Q8_NAME:
+      w.add_tensor(gguf_name(hf), quantize(arr, GGMLQuantizationType.Q8_0),
+                   raw_dtype=GGMLQuantizationType.Q8_0)
+    elif hf == F16_NAME:
+      w.add_tensor(gguf_name(hf), arr.astype(np.float16))
+    else:
+      w.add_tensor(gguf_name(hf), arr)
+  w.write_header_to_file()
+  w.write_kv_data_to_file()
+  w.write_tensors_to_file()
+  w.close()
+
+  meta = read_gguf_metadata(path, "test.")
+  assert meta == {"test.text": "héllo ✓", "test.flag": True, "test.eps": 1e-05, "test.f64": 0.1,
+                  "test.i64": -(2 ** 40), "test.words": ["a", "", "ünï", "Ġ Ġ"],
+                  "test.ints": [3, -1, 7], "test.floats": [0.5, 1e-05]}
+  from dustin_jax.gguf_file import _open_reader
+  ours, theirs = _open_reader(path), GGUFReader(str(path))
+  assert [t.name for t in ours.tensors] == [t.name for t in theirs.tensors]
+  for a, b in zip(ours.tensors, theirs.tensors):
+    assert a.tensor_type == b.tensor_type and a.shape == tuple(int(d) for d in b.shape), a.name
+    assert a.data.dtype == b.data.dtype and np.array_equal(a.data, b.data), a.name
+  assert {t.tensor_type.name for t in ours.tensors} == {"F32", "F16", "Q8_0"}
+
+  data = path.read_bytes()
+  for cut in (10, 60, len(data) // 8):  # inside the counts, the metadata, the tensor table
+    cut_path = tmp_path / f"cut{cut}.gguf"
+    cut_path.write_bytes(data[:cut])
+    with pytest.raises(CheckpointError, match="not a readable GGUF file|needs bytes"):
+      read_gguf_config(cut_path)
