@@ -47,7 +47,7 @@ def random_params(cfg: ModelConfig, seed: int = 0, mesh=None):
   (norm scales 1, biases 0). Unlike a threefry normal over a whole
   embedding table, this needs no temporaries, so paper-scale shapes never
   pass through one device or the host; and one program for the whole model
-  is one compile (a program per parameter shape was ~25 compiles, seconds
+  is one compile (a program per parameter shape would be ~25 compiles, seconds
   of every run's load time)."""
   graphdef, abstract = abstract_model(cfg)
   pure = nnx.to_pure_dict(abstract)
