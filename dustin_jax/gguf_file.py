@@ -113,19 +113,6 @@ def _scalar(v: Any) -> Any:
   return v
 
 
-class _Meta:
-  def __init__(self, reader: "_Reader"):
-    self._reader = reader
-
-  def get(self, key: str, default: Any = None) -> Any:
-    return self._reader.get(key, default)
-
-  def require(self, key: str) -> Any:
-    if key not in self._reader.keys:
-      raise ValueError(f"GGUF metadata key {key!r} is missing")
-    return self._reader.get(key)
-
-
 def read_gguf_metadata(path: str | os.PathLike, prefix: str = "") -> dict[str, Any]:
   """The metadata of a GGUF file whose keys start with ``prefix``, as Python values.
 
@@ -140,8 +127,8 @@ def read_gguf_metadata(path: str | os.PathLike, prefix: str = "") -> dict[str, A
   return {k: reader.get(k) for k in reader.keys if k.startswith(prefix)}
 
 
-def _architecture(meta: _Meta, path) -> str:
-  arch = meta.get("general.architecture")
+def _architecture(reader: "_Reader", path) -> str:
+  arch = reader.get("general.architecture")
   if arch not in SUPPORTED_ARCHITECTURES:
     raise ValueError(
         f"unsupported GGUF architecture {arch!r} in {os.fspath(path)}; "
@@ -151,21 +138,20 @@ def _architecture(meta: _Meta, path) -> str:
 
 
 def _build_config(reader, path) -> dict:
-  meta = _Meta(reader)
-  arch = _architecture(meta, path)
+  arch = _architecture(reader, path)
   p = arch + "."
   tensors = {t.name: t for t in reader.tensors}
   if "token_embd.weight" not in tensors:
     raise ValueError(f"{os.fspath(path)}: no token_embd.weight tensor")
 
-  hidden = meta.require(p + "embedding_length")
-  n_heads = meta.require(p + "attention.head_count")
-  n_kv = meta.get(p + "attention.head_count_kv", n_heads)
+  hidden = reader.require(p + "embedding_length")
+  n_heads = reader.require(p + "attention.head_count")
+  n_kv = reader.get(p + "attention.head_count_kv", n_heads)
   if isinstance(n_kv, list):  # per-layer head counts: only uniform ones are supported
     if len(set(n_kv)) != 1:
       raise ValueError(f"{os.fspath(path)}: per-layer KV head counts {n_kv} are not supported")
     n_kv = n_kv[0]
-  head_dim = meta.get(p + "attention.key_length", hidden // n_heads)
+  head_dim = reader.get(p + "attention.key_length", hidden // n_heads)
   # GGUF token_embd dims are [hidden, vocab] (fastest first): vocab is the last one.
   vocab = int(tensors["token_embd.weight"].shape[-1])
 
@@ -174,34 +160,35 @@ def _build_config(reader, path) -> dict:
       "model_type": SUPPORTED_ARCHITECTURES[arch],
       "vocab_size": vocab,
       "hidden_size": hidden,
-      "intermediate_size": meta.require(p + "feed_forward_length"),
-      "num_hidden_layers": meta.require(p + "block_count"),
+      "intermediate_size": reader.require(p + "feed_forward_length"),
+      "num_hidden_layers": reader.require(p + "block_count"),
       "num_attention_heads": n_heads,
       "num_key_value_heads": n_kv,
       "head_dim": head_dim,
       "hidden_act": "silu",
-      "max_position_embeddings": meta.get(p + "context_length", 2048),
-      "rms_norm_eps": meta.get(p + "attention.layer_norm_rms_epsilon", 1e-6),
-      "rope_theta": meta.get(p + "rope.freq_base", 10000.0),
+      "max_position_embeddings": reader.get(p + "context_length", 2048),
+      "rms_norm_eps": reader.get(p + "attention.layer_norm_rms_epsilon", 1e-6),
+      "rope_theta": reader.get(p + "rope.freq_base", 10000.0),
       "rope_scaling": None,
       "tie_word_embeddings": "output.weight" not in tensors,
   }
   if arch == "llama":
     cfg["attention_bias"] = "blk.0.attn_q.bias" in tensors
     cfg["mlp_bias"] = False
-  scaling = meta.get(p + "rope.scaling.type")
+  scaling = reader.get(p + "rope.scaling.type")
   if scaling not in (None, "none"):
-    rs: dict[str, Any] = {"rope_type": scaling, "factor": meta.get(p + "rope.scaling.factor", 1.0)}
-    orig = meta.get(p + "rope.scaling.original_context_length")
+    rs: dict[str, Any] = {"rope_type": scaling,
+                          "factor": reader.get(p + "rope.scaling.factor", 1.0)}
+    orig = reader.get(p + "rope.scaling.original_context_length")
     if orig is not None:
       rs["original_max_position_embeddings"] = orig
-    attn = meta.get(p + "rope.scaling.attn_factor")
+    attn = reader.get(p + "rope.scaling.attn_factor")
     if attn is not None:
       rs["attention_factor"] = attn
     cfg["rope_scaling"] = rs
   for key, hf_key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
                       ("padding_token_id", "pad_token_id")):
-    v = meta.get("tokenizer.ggml." + key)
+    v = reader.get("tokenizer.ggml." + key)
     if v is not None:
       cfg[hf_key] = v
   return cfg
@@ -307,6 +294,12 @@ class _Reader:
       return default
     vtype, self._pos = self._fields[key]
     return self._value(vtype)
+
+  def require(self, key: str) -> Any:
+    """`get(key)` of a key the file must have."""
+    if key not in self._fields:
+      raise ValueError(f"GGUF metadata key {key!r} is missing")
+    return self.get(key)
 
   # -- the header walk
   def _unpack(self, fmt: str):

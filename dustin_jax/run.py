@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from types import SimpleNamespace
 from typing import Any
 
 import jax
@@ -425,7 +424,7 @@ def build(c) -> Run:
                           f"tokenizer's {vocab} tokens: wrong model or tokenizer")
   check_prompts(c, prompts)
   if speculative:
-    check_pair(SimpleNamespace(cfg=target_cfg), SimpleNamespace(cfg=draft_cfg))
+    check_pair(target_cfg, draft_cfg)
     make_policy(c, target_cfg, draft_cfg)  # its checks now; built again for the placed models
   for (role, cfg) in cfgs:
     check_checkpoint(c[role], c, cfg)

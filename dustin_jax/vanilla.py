@@ -79,8 +79,8 @@ def generate(model: Model, prompts: Sequence[Sequence[int]], *, max_new_tokens: 
   t0 = time.perf_counter()
   with CompileClock() as clock:
     st = jax.block_until_ready(init_vanilla_state(
-        model, prompts, max_new_tokens=max_new_tokens, max_len=max_len, seed=seed, token_block=token_block,
-        impl=impl, mesh=mesh))
+        model, prompts, max_new_tokens=max_new_tokens, max_len=max_len, seed=seed,
+        token_block=token_block, impl=impl, mesh=mesh))
   stats.prefill_s, stats.prefill_compile_s = time.perf_counter() - t0, clock.seconds
   step = bind_vanilla_step(model, sampling=sampling, eos_ids=eos_ids, impl=impl, mesh=mesh)
   tokens, _ = decode_loop(step, st, stats, progress=progress,

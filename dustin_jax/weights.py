@@ -56,7 +56,8 @@ def random_params(cfg: ModelConfig, seed: int = 0, mesh=None):
   if mesh is not None:
     by_path = dict(leaves_with_paths(nnx.to_pure_dict(param_shardings(abstract, mesh))))
     shardings = tuple(by_path[path] for path, _ in paths)
-  kind = lambda path: "ones" if path[-1] == "weight" else "zeros" if path[-1] == "bias" else "uniform"
+  kind = lambda path: ("ones" if path[-1] == "weight" else "zeros" if path[-1] == "bias"
+                       else "uniform")
   specs = tuple((tuple(leaf.shape), jnp.dtype(leaf.dtype), kind(path)) for path, leaf in paths)
   leaves = _filler(specs, shardings)(jnp.uint32(seed))
   pure = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(pure), leaves)
@@ -430,7 +431,8 @@ def _hf_tensors(cfg: ModelConfig, pure) -> dict[str, np.ndarray]:
     parts, order = hf_sources(cfg, path, arr.shape)
     if order is not None:  # back to [a | b ...] column order, then split
       arr = arr[..., np.argsort(order)]
-      arr = np.split(arr, np.cumsum([p[2][0 if p[1] else -1] for p in parts])[:-1], axis=-1)
+      widths, _ = _fused_layout(cfg, str(path[-2]))
+      arr = np.split(arr, np.cumsum(widths)[:-1], axis=-1)
     else:
       arr = [arr]
     for (name, transpose, _), x in zip(parts, arr):

@@ -50,8 +50,9 @@ from dustin_jax.selection.policies import policy_from_config
 from dustin_jax.speculative.step import SpecConfig, SpecState, bind_spec_step
 from dustin_jax.vanilla import VanillaState, bind_vanilla_step
 from scripts.benchmarking import (DeviceTimer, benchmark_pairs, compile_cache_from_flag,
-                                  floor_bytes, floor_time, fresh_decode_state, phase_device_ms, pyplot, random_cache,
-                                  random_model, save_figure, spec_state_at, write_json)
+                                  floor_bytes, floor_time, fresh_decode_state, phase_device_ms,
+                                  pyplot, random_cache, random_model, save_figure, spec_state_at,
+                                  write_json)
 
 flags.DEFINE_string("out_dir", "results/h200", "where e2e.json and e2e.png go")
 flags.DEFINE_list("models", ["qwen7b", "llama3_8b"], "qwen7b (7B + 0.5B) and/or llama3_8b (8B + 1B)")

@@ -1,4 +1,5 @@
-r"""Prefill throughput: the layer-major prefill against its anchor and the chunked one (`dustin_jax.prefill.prefill_chunked`).
+r"""Prefill throughput: the layer-major prefill against its anchor and the chunked
+one (`dustin_jax.prefill.prefill_chunked`).
 
   python -m scripts.bench_prefill --out=results/h200/prefill.json --pairs=qwen7b,llama3_8b \
       --contexts=8192,16384,32768 --batches=1,8,16 --old
@@ -65,7 +66,8 @@ flags.DEFINE_string("dtype", "", "bfloat16 or float32 (default: bfloat16 on GPU/
                     "on CPU; the real pair is always float32)")
 flags.DEFINE_string("impl", "auto", "prefill attention impl (auto, reference, gpu, tpu)")
 flags.DEFINE_integer("token_block", 0, "tokens per tile of the per-token work (0: the default)")
-flags.DEFINE_bool("old", False, "also time the chunked prefill (prefill_chunked) on the same prompts")
+flags.DEFINE_bool("old", False, "also time the chunked prefill (prefill_chunked) on the same "
+                  "prompts")
 flags.DEFINE_integer("old_chunk", 256, "tokens per chunk of the chunked prefill")
 flags.DEFINE_bool("real_pair", False, "the offline Qwen2.5-Coder 1.5B + 0.5B GGUF pair, f32")
 flags.DEFINE_bool("ragged", False, "prompt bodies between 7/8 of the context and all of it")
@@ -81,8 +83,9 @@ FLAGS = flags.FLAGS
 def capacity_bytes():
   """Memory one configuration may use: the first device's (GPU/TPU) or the
   host's available memory (CPU)."""
-  if sharding.device_capacity():
-    return sharding.device_capacity()
+  device = sharding.device_capacity()
+  if device:
+    return device
   with open("/proc/meminfo") as f:
     info = dict(line.split(":", 1) for line in f)
   return int(info["MemAvailable"].split()[0]) * 1024

@@ -10,6 +10,7 @@ import jax
 
 from dustin_jax.cache import KVCache
 from dustin_jax.compilation import CompileClock
+from dustin_jax.config import ModelConfig
 from dustin_jax.decoding import DecodeState, DecodeStats, InputError, Model, check_lengths
 from dustin_jax.loop import decode_loop
 from dustin_jax.models.prefill import DEFAULT_TOKEN_BLOCK
@@ -18,19 +19,19 @@ from dustin_jax.sharding import draft_mesh, shard_batch_tree
 from dustin_jax.speculative.step import SpecConfig, SpecState, StepOptions, bind_spec_step
 
 
-def check_pair(target: Model, draft: Model) -> None:
+def check_pair(target: ModelConfig, draft: ModelConfig) -> None:
   """Draft and target must share a tokenizer; padded vocab sizes may differ
   (the extra ids are never produced by the tokenizer)."""
-  t, d = target.cfg, draft.cfg
-  if min(t.vocab_size, d.vocab_size) < 0.9 * max(t.vocab_size, d.vocab_size):
-    raise InputError(f"draft vocab_size {d.vocab_size} and target vocab_size {t.vocab_size} "
+  t, d = target.vocab_size, draft.vocab_size
+  if min(t, d) < 0.9 * max(t, d):
+    raise InputError(f"draft vocab_size {d} and target vocab_size {t} "
                      "differ by more than padding: the models do not share a tokenizer")
 
 
 def init_state(target: Model, draft: Model, prompts, *, max_new_tokens, max_len, cfg: SpecConfig,
                seed=0, token_block=DEFAULT_TOKEN_BLOCK) -> SpecState:
   """Prefill both caches with `prompt[:-1]` and set up the decode state."""
-  check_pair(target, draft)
+  check_pair(target.cfg, draft.cfg)
   if min(len(p) for p in prompts) < 2:
     raise InputError("speculative decoding needs prompts of at least 2 tokens")
   check_lengths([len(p) for p in prompts], max_new_tokens, max_len, block=cfg.gamma + 1)
@@ -47,9 +48,9 @@ def init_state(target: Model, draft: Model, prompts, *, max_new_tokens, max_len,
 
 def generate_speculative(target: Model, draft: Model, prompts: Sequence[Sequence[int]], *,
                          max_new_tokens: int, max_len: int, cfg: SpecConfig = SpecConfig(),
-                         options: StepOptions = StepOptions(), seed: int = 0, token_block: int = DEFAULT_TOKEN_BLOCK,
-                         progress: bool = False, on_step: Callable | None = None,
-                         on_output: Callable | None = None):
+                         options: StepOptions = StepOptions(), seed: int = 0,
+                         token_block: int = DEFAULT_TOKEN_BLOCK, progress: bool = False,
+                         on_step: Callable | None = None, on_output: Callable | None = None):
   """Speculative decoding of a ragged batch. Returns (token lists, DecodeStats).
   `on_step(state, output)` / `on_output(host_output)`: see `decode_loop`."""
   stats = DecodeStats(gamma=cfg.gamma, prompt_tokens=sum(len(p) - 1 for p in prompts))
