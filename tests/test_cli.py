@@ -350,3 +350,20 @@ def test_truncated_safetensors_in_process(tiny_ckpt, tmp_path):
   with pytest.raises(CheckpointError, match=r"cut.safetensors: not a valid safetensors file "
                      r"\(tensor '.*' of shape .* needs bytes .*\): it is truncated or corrupt"):
     safetensors_index(str(cut))
+
+
+def test_compile_cache_setting_places_or_turns_off_the_cache(tmp_path):
+  """--config.compile_cache: a directory keeps the run's compiled programs
+  there (and the run says so), '' keeps none and says 'off'."""
+  where = tmp_path / "xla"
+  p = _run_cli(f"--config.compile_cache={where}", "--config.progress=False")
+  assert p.returncode == 0, p.stderr[-2000:]
+  assert f"(compilation cache: {where})" in p.stdout
+  assert len(list(where.iterdir())) > 0  # the programs of the run
+  env = dict(os.environ, DUSTIN_JAX_CACHE=str(tmp_path / "root"))
+  off = subprocess.run([sys.executable, "-m", "scripts.decode", "--config=configs/tiny.py",
+                        "--config.compile_cache=", "--config.progress=False"],
+                       capture_output=True, text=True, timeout=600, env=env)
+  assert off.returncode == 0, off.stderr[-2000:]
+  assert "(compilation cache: off)" in off.stdout
+  assert not (tmp_path / "root" / "xla").exists()

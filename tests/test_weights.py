@@ -100,3 +100,20 @@ def test_unsupported_features_refused():
 def test_missing_checkpoint_directory(tmp_path):
   with pytest.raises(CheckpointError, match="does not exist"):
     load_hf_checkpoint(str(tmp_path / "nope"))
+
+
+@pytest.mark.parametrize("name", ["QWEN25_05B", "QWEN25_7B", "QWEN25_72B", "LLAMA3_8B",
+                                  "LLAMA32_1B"])
+def test_config_dicts_read_as_transformers_reads_them(name):
+  """A config dict (read without transformers) gives the ModelConfig that
+  transformers' own parse of it gives, also with every optional field left
+  to its default."""
+  from transformers import AutoConfig
+  from configs import shapes
+  full = dict(getattr(shapes, name))
+  required = ("model_type", "vocab_size", "hidden_size", "intermediate_size",
+              "num_hidden_layers", "num_attention_heads", "num_key_value_heads")
+  for d in (full, {k: full[k] for k in required}):
+    rest = {k: v for k, v in d.items() if k != "model_type"}
+    theirs = ModelConfig.from_hf(AutoConfig.for_model(d["model_type"], **rest))
+    assert ModelConfig.from_hf(d) == theirs

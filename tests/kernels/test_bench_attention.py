@@ -35,6 +35,21 @@ def test_bench_smoke(tmp_path):
   assert any("ratio_vs_28x_decode" in r for r in recs)
 
 
+def test_budget_shapes_choose_where_every_budget_runs(tmp_path):
+  """--budget_shapes names the shapes where sparse_verify runs every budget;
+  elsewhere (here: the smoke run's only shape) it runs one."""
+  root = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
+  env = dict(os.environ, PYTHONPATH=root, JAX_PLATFORMS="cpu")
+  env.pop("XLA_FLAGS", None)
+  proc = subprocess.run(
+      [sys.executable, "-m", "scripts.bench_attention", "--smoke", "--kernels=sparse",
+       "--budget_shapes=4096:4", "--compile_cache=", f"--out_dir={tmp_path}"], cwd=root,
+      env=env, capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  recs = json.load(open(tmp_path / "attention.json"))
+  assert sorted(r["budget"] for r in recs if r["kernel"] == "sparse_verify") == [8]
+
+
 def test_parse_device_times_unions_gpu_stream_kernels():
   from scripts.benchmarking import parse_device_times
   M = lambda pid, tid, kind, name: dict(ph="M", pid=pid, tid=tid, name=kind,
