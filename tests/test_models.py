@@ -168,3 +168,21 @@ def test_linear_bf16_is_the_f32_product_rounded_once(bias):
   # within a bf16 ulp of the f32 result (a GEMM may sum in another order);
   # summing in bf16 over K = 256 is off by ~200 of these
   np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want), rtol=2**-7, atol=1e-6)
+
+
+def test_shared_layer_function_is_inlined(tiny_llama):
+  """Every layer runs through one jitted layer function (one trace and
+  lowering per shape); XLA inlines its calls, so the compiled forward holds
+  no call left to dispatch and each layer's kernels stay in one program."""
+  import jax
+  from flax import nnx
+  model = load(tiny_llama[0])
+
+  def forward(state, cache, tokens):
+    hidden, cache, _ = nnx.merge(model.graphdef, state)(tokens, cache)
+    return hidden, cache
+
+  cache = KVCache.init(model.cfg, 2, 32)
+  lowered = jax.jit(forward).lower(model.state, cache, jnp.zeros((2, 3), jnp.int32))
+  assert lowered.as_text().count("call @_block(") == model.cfg.num_layers  # one per layer
+  assert " call(" not in lowered.compile().as_text()
