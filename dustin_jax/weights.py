@@ -11,6 +11,7 @@ there from their Hugging Face tensors (q/k/v, gate/up) and split back by
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import functools
@@ -18,7 +19,7 @@ import glob
 import json
 import os
 import struct
-from typing import Callable
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -194,15 +195,19 @@ def _runs(dst: np.ndarray, src: np.ndarray, most: int = 64):
 
 
 def params_from_hf_tensors(cfg: ModelConfig, get_tensor: Callable[[str], np.ndarray],
-                           names: set[str], *, source: str = "checkpoint", mesh=None):
+                           names: set[str], *, source: str = "checkpoint", mesh=None,
+                           release: Callable[[str], Any] | None = None):
   """Build (graphdef, state) from Hugging Face-named tensors.
 
   `get_tensor(name)` returns an array-like with `.shape` (read lazily, so
   that name and shape checks of the whole checkpoint come before any copy).
   Under `mesh`, each parameter is assembled from the slices its local
   devices own (memory-mapped files: a host reads only its slices).
+  `release(name)` is called once a tensor's last parameter is built, so a
+  caller holding host copies (dequantised GGUF) can drop each one early.
   """
   graphdef, abstract, plan = _check_hf_tensors(cfg, get_tensor, names, source)
+  uses = collections.Counter(name for _, parts, _, _ in plan for name, _, _ in parts)
   pure = nnx.to_pure_dict(abstract)
   leaves = leaves_with_paths(pure)
   shardings = {}
@@ -220,6 +225,10 @@ def params_from_hf_tensors(cfg: ModelConfig, get_tensor: Callable[[str], np.ndar
           tuple(src.shape), shardings[path], lambda idx, src=src, dt=dtype: np.asarray(src[idx]).astype(dt))
     else:
       values[path] = jnp.asarray(np.asarray(src), dtype=dtype)
+    for name, _, _ in parts:
+      uses[name] -= 1
+      if release is not None and not uses[name]:
+        release(name)
   pure = jax.tree_util.tree_unflatten(
       jax.tree_util.tree_structure(pure), [values[p] for p, _ in leaves])
   nnx.replace_by_pure_dict(abstract, pure)
@@ -306,8 +315,10 @@ def load_hf_checkpoint(path: str, *, dtype: str = "bfloat16", num_layers=None, m
     raise CheckpointError(f"checkpoint directory {path!r} does not exist")
   cfg = ModelConfig.from_hf(path, dtype=dtype, num_layers=num_layers)
   tensors = hf_checkpoint_tensors(path)
+  # each dequantised host array is dropped once copied: the peak stays near
+  # one model instead of two (~13 GB for a 1.5B model in f32)
   graphdef, state = params_from_hf_tensors(cfg, tensors.__getitem__, set(tensors), source=path,
-                                           mesh=mesh)
+                                           mesh=mesh, release=tensors.pop)
   return cfg, graphdef, state
 
 
@@ -351,8 +362,10 @@ def load_gguf_checkpoint(path: str, *, dtype: str = "float32", num_layers=None, 
   with gguf_errors(path):
     hf_config, tensors = read_gguf(path)
   cfg = ModelConfig.from_hf(hf_config, dtype=dtype, num_layers=num_layers)
+  # each dequantised host array is dropped once copied: the peak stays near
+  # one model instead of two (~13 GB for a 1.5B model in f32)
   graphdef, state = params_from_hf_tensors(cfg, tensors.__getitem__, set(tensors), source=path,
-                                           mesh=mesh)
+                                           mesh=mesh, release=tensors.pop)
   return cfg, graphdef, state
 
 
@@ -412,8 +425,10 @@ def restore_params(path: str, mesh=None):
   args = jax.tree_util.tree_map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), meta)
   pure = ckpt.restore(where, args=ocp.args.PyTreeRestore(restore_args=args))
   tensors = _hf_tensors(cfg, pure)
+  # each dequantised host array is dropped once copied: the peak stays near
+  # one model instead of two (~13 GB for a 1.5B model in f32)
   graphdef, state = params_from_hf_tensors(cfg, tensors.__getitem__, set(tensors), source=path,
-                                           mesh=mesh)
+                                           mesh=mesh, release=tensors.pop)
   return cfg, graphdef, state
 
 

@@ -27,7 +27,7 @@ from dustin_jax.assets import cache_root
 from dustin_jax.eval.texts import read_text
 from dustin_jax.profiling import collect, search
 from dustin_jax.profiling.collect import CalibItem
-from dustin_jax.profiling.runtime import LazyPair, text_prompt
+from dustin_jax.profiling.runtime import Pair, text_prompt
 from dustin_jax.selection.srh import SRHConfig, load_srh, save_srh
 from scripts.benchmarking import compile_cache_from_flag
 
@@ -73,7 +73,7 @@ def main(argv):
   del argv
   compile_cache_from_flag()
   t_all = time.perf_counter()
-  pair = LazyPair(FLAGS.pair, progress=FLAGS.progress)   # weights only if an item is not cached
+  pair = Pair(FLAGS.pair, progress=FLAGS.progress)   # weights only if an item is not cached
   contexts = [int(c) for c in FLAGS.contexts]
   items = calibration_items(pair.tokenizer, FLAGS.texts, contexts, FLAGS.n_items, FLAGS.seed)
   max_len = max(contexts) + FLAGS.max_new + FLAGS.gamma + 2

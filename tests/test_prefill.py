@@ -1,6 +1,7 @@
-"""The layer-major prefill (models/prefill.py) equals the chunked one
-(dustin_jax.prefill, the oracle): KV rows, lengths, and the logits of the
-next decode step."""
+"""The layer-major prefill (models/prefill.py) equals the oracle: the
+prompts run through the step's decoder in chunks, each attending over the
+whole cache with a mask (KV rows, lengths, and the logits of the next
+decode step)."""
 
 import jax
 import jax.numpy as jnp
@@ -8,7 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from dustin_jax import prefill as chunked
+from dustin_jax.prefill import prefill
 from dustin_jax.cache import KVCache
 from dustin_jax.decoding import InputError, Model
 from dustin_jax.models import prefill as layer_major
@@ -17,6 +18,21 @@ from dustin_jax.weights import load_hf_checkpoint
 
 def load(path, dtype):
   return Model(*load_hf_checkpoint(path, dtype=dtype))
+
+
+def chunked_prefill(model: Model, cache: KVCache, prompts, chunk: int = 16) -> KVCache:
+  """The oracle: `prompt[:-1]` of each prompt through the decoder `chunk`
+  tokens at a time, each chunk committed before the next."""
+  m = nnx.merge(model.graphdef, model.state)
+  bodies = [list(p)[:-1] for p in prompts]
+  for start in range(0, max(len(p) for p in bodies), chunk):
+    parts = [p[start:start + chunk] for p in bodies]
+    tok = np.zeros((len(parts), chunk), np.int32)
+    for i, part in enumerate(parts):
+      tok[i, :len(part)] = part
+    _, cache, _ = m(jnp.asarray(tok), cache)
+    cache = cache.commit(jnp.asarray([len(part) for part in parts], jnp.int32))
+  return cache
 
 
 def next_logits(model: Model, cache: KVCache, prompts):
@@ -29,8 +45,8 @@ def next_logits(model: Model, cache: KVCache, prompts):
 
 def both(model, prompts, max_len, **kw):
   b = len(prompts)
-  old = chunked.prefill_chunked(model, KVCache.init(model.cfg, b, max_len), prompts, chunk=16)
-  new = chunked.prefill(model, KVCache.init(model.cfg, b, max_len), prompts, **kw)
+  old = chunked_prefill(model, KVCache.init(model.cfg, b, max_len), prompts)
+  new = prefill(model, KVCache.init(model.cfg, b, max_len), prompts, **kw)
   return old, new
 
 
@@ -82,7 +98,7 @@ def test_bucket_and_tiles_with_a_remainder(tiny_llama, rng):
   model = load(tiny_llama[0], "float32")
   prompts = [rng.integers(0, 97, size=n + 1).tolist() for n in (69, 24, 3)]
   b = len(prompts)
-  old = chunked.prefill_chunked(model, KVCache.init(model.cfg, b, 70), prompts, chunk=16)
+  old = chunked_prefill(model, KVCache.init(model.cfg, b, 70), prompts)
   tok = np.zeros((b, 70), np.int32)
   for i, p in enumerate(prompts):
     tok[i, :len(p) - 1] = p[:-1]
@@ -109,12 +125,12 @@ def test_bucket_len():
 
 def test_nothing_to_write_and_input_errors(tiny_llama):
   model = load(tiny_llama[0], "float32")
-  cache = chunked.prefill(model, KVCache.init(model.cfg, 2, 16), [[3], [5]])
+  cache = prefill(model, KVCache.init(model.cfg, 2, 16), [[3], [5]])
   np.testing.assert_array_equal(cache.lengths, [0, 0])
   with pytest.raises(InputError, match="prompts for a batch"):
-    chunked.prefill(model, KVCache.init(model.cfg, 2, 16), [[1, 2]])
+    prefill(model, KVCache.init(model.cfg, 2, 16), [[1, 2]])
   with pytest.raises(InputError, match="max_len 16"):
-    chunked.prefill(model, KVCache.init(model.cfg, 1, 16), [list(range(20))])
+    prefill(model, KVCache.init(model.cfg, 1, 16), [list(range(20))])
 
 
 @pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 (simulated) devices")
@@ -125,11 +141,11 @@ def test_under_a_mesh_equals_unsharded(tiny_qwen, rng, data, model_ways):
   from dustin_jax import sharding, weights
   model = load(tiny_qwen[0], "float32")
   prompts = [rng.integers(0, 97, size=n + 1).tolist() for n in (20, 3, 0, 31, 7, 12, 25, 9)]
-  ref = chunked.prefill(model, KVCache.init(model.cfg, 8, 48), prompts, token_block=64)
+  ref = prefill(model, KVCache.init(model.cfg, 8, 48), prompts, token_block=64)
   mesh = sharding.make_mesh(data, model_ways)
   sharded = Model(*weights.place_model(model.cfg, model.graphdef, model.state, mesh))
   cache = KVCache.init(sharded.cfg, 8, 48, mesh=mesh)
-  out = chunked.prefill(sharded, cache, prompts, token_block=64, mesh=mesh)
+  out = prefill(sharded, cache, prompts, token_block=64, mesh=mesh)
   r = sharded.cfg.num_kv_heads // model.cfg.num_kv_heads  # KV heads replicated r times
   np.testing.assert_array_equal(out.lengths, ref.lengths)
   for i in range(model.cfg.num_layers):

@@ -175,15 +175,27 @@ def test_window_grid_prefers_a_wider_window_when_attention_is_local(tmp_path, rn
 
 
 @pytest.mark.parametrize("arch, tied", [("qwen2", False), ("llama", True)])
-def test_lean_gguf_loader_equals_the_plain_one(tmp_path, arch, tied):
+def test_gguf_loader_releases_each_host_tensor_after_its_last_use(tmp_path, arch, tied):
+  """The GGUF loader drops each dequantised tensor once the last parameter
+  that reads it is built (a tied embedding feeds two), and the parameters
+  equal those of a build that keeps every tensor."""
   import jax
   from test_gguf_file import hf_tensors, write_tiny_gguf
-  from dustin_jax.profiling.runtime import load_gguf_lean
-  from dustin_jax.weights import load_gguf_checkpoint
+  from dustin_jax.config import ModelConfig
+  from dustin_jax.gguf_file import read_gguf
+  from dustin_jax.weights import load_gguf_checkpoint, params_from_hf_tensors
   path = tmp_path / "tiny.gguf"
   write_tiny_gguf(path, arch, hf_tensors(arch, tied))
-  cfg_a, _, a = load_gguf_checkpoint(str(path))
-  cfg_b, _, b = load_gguf_lean(str(path))
-  assert cfg_a == cfg_b
-  for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
+  hf_config, tensors = read_gguf(str(path), progress=False)
+  cfg = ModelConfig.from_hf(hf_config, dtype="float32")
+  released = []
+
+  def get(name):
+    assert name not in released, f"{name} read after its release"
+    return tensors[name]
+
+  _, kept = params_from_hf_tensors(cfg, get, set(tensors), release=released.append)
+  assert sorted(released) == sorted(tensors)           # each one, once
+  _, _, lean = load_gguf_checkpoint(str(path))
+  for x, y in zip(jax.tree_util.tree_leaves(kept), jax.tree_util.tree_leaves(lean)):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))

@@ -1,9 +1,8 @@
 """Layer-major prefill of an empty KV cache.
 
-The chunked prefill (`dustin_jax.prefill.prefill_chunked`) runs the step
-decoder on chunks of tokens, each attending over the whole `max_len` cache
-through a mask. This one runs the prompt batch one layer at a time over all
-of its tokens:
+The step's decoder could prefill in chunks of tokens, each attending over
+the whole `max_len` cache through a mask (the tests' oracle does). This
+runs the prompt batch one layer at a time over all of its tokens instead:
 
   for each layer:  q, k, v = Block.qkv(x)            per-token, in tiles
                    cache rows [0, lengths) <- k, v   one slice update

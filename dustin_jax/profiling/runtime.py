@@ -1,8 +1,8 @@
 """Shared machinery of the offline profiling and the long-context evaluation.
 
-* `load_pair("real" | "tiny")`: the real offline pair of `dustin_jax.assets`
+* `Pair("real" | "tiny")`: the real offline pair of `dustin_jax.assets`
   (Qwen2.5-Coder-1.5B target, 0.5B draft, their tokenizer) or two tiny random
-  models with a byte tokenizer (smoke tests);
+  models with a byte tokenizer (smoke tests), weights loaded on first use;
 * `prefill_base`: ONE prefill of both models per batch of prompts; every
   policy then starts from a copy of those caches (`fresh_state`), since the
   jitted step donates its state;
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import functools
 import gc
 import hashlib
 import json
@@ -33,7 +34,7 @@ from dustin_jax.assets import ensure_model, load_tokenizer
 from dustin_jax.cache import KVCache
 from dustin_jax.config import ModelConfig
 from dustin_jax.decoding import DecodeState, DecodeStats, Model, StepOutput
-from dustin_jax.gguf_file import read_gguf, read_gguf_config
+from dustin_jax.gguf_file import read_gguf_config
 from dustin_jax.loop import decode_loop
 from dustin_jax.models.prefill import DEFAULT_TOKEN_BLOCK
 from dustin_jax.prefill import prefill
@@ -70,19 +71,6 @@ class HFTokenizer:
     return self.tok.decode([int(i) for i in ids], skip_special_tokens=True)
 
 
-@dataclasses.dataclass
-class Pair:
-  target: Model
-  draft: Model
-  tokenizer: object
-  target_name: str
-  draft_name: str
-
-  @property
-  def model_name(self) -> str:
-    return f"{self.target_name}+{self.draft_name}"
-
-
 # the tiny pair's models: 3 layers over the byte tokenizer's vocabulary
 TINY = dict(model_type="qwen2", vocab_size=ByteTokenizer.vocab_size, hidden_size=64,
             intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
@@ -109,97 +97,58 @@ def _random_model(cfg, seed: int) -> Model:
   return Model(cfg, graphdef, jax.tree_util.tree_unflatten(tree, out))
 
 
-def load_pair(kind: str = "real", *, progress: bool = False) -> Pair:
-  """The model pair: "real" (the offline Qwen2.5-Coder 1.5B / 0.5B, f32) or
-  "tiny" (random 3-layer models with a byte tokenizer; the draft is a noisy
-  copy of the target, so the draft agrees with it often but not always)."""
-  if kind == "tiny":
-    target = _random_model(ModelConfig.from_hf(TINY, dtype="float32"), seed=0)
-    return Pair(target, _noisy(target, 0.3, seed=1), ByteTokenizer(), "tiny-target", "tiny-draft")
-  if kind != "real":
-    raise ValueError(f"unknown model pair {kind!r}: 'real' or 'tiny'")
-  t = ensure_model(REAL_TARGET, progress=progress)
-  d = ensure_model(REAL_DRAFT, progress=progress)
-  target = Model(*load_gguf_lean(str(t)))
-  release_host_memory()
-  draft = Model(*load_gguf_lean(str(d)))
-  release_host_memory()
-  return Pair(target, draft, HFTokenizer(load_tokenizer(t)), REAL_TARGET, REAL_DRAFT)
+class Pair:
+  """A target/draft pair: "real" (the offline Qwen2.5-Coder 1.5B / 0.5B in
+  f32, their tokenizer) or "tiny" (random 3-layer models with a byte
+  tokenizer; the draft is a noisy copy of the target, so it agrees with the
+  target often but not always). The real pair's weights load when `.target`
+  or `.draft` is first used: a profile whose calibration data is all cached
+  loads none."""
 
-
-def load_gguf_lean(path: str, dtype: str = "float32"):
-  """`weights.load_gguf_checkpoint` with a lower peak: the dequantised host
-  array of each tensor is dropped as soon as its parameter is built (the
-  plain path keeps every host array until the end, about twice the model in
-  memory: ~13 GB for the 1.5B target in f32, more than this host can spare
-  beside other jobs). Same functions, same result."""
-  hf_config, tensors = read_gguf(path, progress=False)
-  cfg = ModelConfig.from_hf(hf_config, dtype=dtype)
-  names, seen = set(tensors), set()
-
-  def get(name):
-    if name in seen:              # the second access is the copy into the parameter
-      return tensors.pop(name)
-    seen.add(name)                # the first one only checks the shape
-    return tensors[name]
-
-  try:
-    graphdef, state = weights.params_from_hf_tensors(cfg, get, names, source=path)
-  except KeyError:                # a tensor used by two parameters: the plain loader
-    del tensors
-    return weights.load_gguf_checkpoint(path, dtype=dtype)
-  return cfg, graphdef, state
-
-
-class LazyPair:
-  """The pair's names, tokenizer and model configs at once; the weights only
-  when `.target` / `.draft` is first used (a profile whose calibration data
-  is all cached needs no model)."""
-
-  def __init__(self, kind: str = "real", progress: bool = False):
-    self.kind, self.progress, self._pair = kind, progress, None
-    if kind == "tiny":
-      self._pair = load_pair("tiny")
-    elif kind != "real":
+  def __init__(self, kind: str = "real", *, progress: bool = False):
+    if kind not in ("real", "tiny"):
       raise ValueError(f"unknown model pair {kind!r}: 'real' or 'tiny'")
-
-  def _load(self) -> Pair:
-    if self._pair is None:
-      self._pair = load_pair(self.kind, progress=self.progress)
-    return self._pair
-
-  @property
-  def target_name(self):
-    return self._pair.target_name if self._pair else REAL_TARGET
-
-  @property
-  def draft_name(self):
-    return self._pair.draft_name if self._pair else REAL_DRAFT
+    self.progress = progress
+    if kind == "tiny":
+      self.target = _random_model(ModelConfig.from_hf(TINY, dtype="float32"), seed=0)
+      self.draft = _noisy(self.target, 0.3, seed=1)
+      self.tokenizer = ByteTokenizer()
+      self.target_name, self.draft_name = "tiny-target", "tiny-draft"
+    else:
+      path = ensure_model(REAL_TARGET, progress=progress)
+      self.tokenizer = HFTokenizer(load_tokenizer(path))
+      self.target_name, self.draft_name = REAL_TARGET, REAL_DRAFT
 
   @property
-  def model_name(self):
+  def model_name(self) -> str:
     return f"{self.target_name}+{self.draft_name}"
 
-  @property
+  def _load(self, name: str) -> Model:
+    model = Model(*weights.load_gguf_checkpoint(str(ensure_model(name, progress=self.progress))))
+    release_host_memory()
+    return model
+
+  @functools.cached_property
   def target(self) -> Model:
-    return self._load().target
+    return self._load(self.target_name)
 
-  @property
+  @functools.cached_property
   def draft(self) -> Model:
-    return self._load().draft
+    return self._load(self.draft_name)
 
-  @property
-  def tokenizer(self):
-    if self._pair is not None:
-      return self._pair.tokenizer
-    return HFTokenizer(load_tokenizer(ensure_model(REAL_TARGET, progress=self.progress)))
-
-  def configs(self):
-    """(target ModelConfig, draft ModelConfig) without loading weights."""
-    if self._pair is not None:
-      return self._pair.target.cfg, self._pair.draft.cfg
+  def configs(self) -> tuple[ModelConfig, ModelConfig]:
+    """(target, draft) ModelConfigs, without loading weights."""
+    if "target" in vars(self) and "draft" in vars(self):
+      return self.target.cfg, self.draft.cfg
     return tuple(ModelConfig.from_hf(read_gguf_config(str(ensure_model(n, progress=False))),
-                                     dtype="float32") for n in (REAL_TARGET, REAL_DRAFT))
+                                     dtype="float32") for n in (self.target_name, self.draft_name))
+
+
+def load_pair(kind: str = "real", *, progress: bool = False) -> Pair:
+  """The pair `kind` with both models' weights loaded."""
+  pair = Pair(kind, progress=progress)
+  _ = pair.target, pair.draft   # loads both now
+  return pair
 
 
 def release_host_memory() -> None:
