@@ -64,7 +64,6 @@ def base_config() -> ml_collections.ConfigDict:
   c.max_new_tokens = 64
   c.prefill_block = 8192         # tokens per tile of the prefill's per-token work (memory)
   c.impl = "auto"                 # attention kernels: auto | reference | gpu | tpu
-  c.time_phases = False           # then GPU time per phase of the fused step (profiler trace)
   c.output_json = ""
   # persistent XLA compilation cache: "auto" = <cache root>/xla (the cache
   # root: $DUSTIN_JAX_CACHE, else ~/.cache/dustin_jax), a path, or "" (off)

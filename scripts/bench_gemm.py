@@ -10,11 +10,8 @@ the verify's merged q/k/v at ~35%; this measures them one by one.
 Times, in one process: each projection of a benchmark pair
 (`configs.shapes.PAIRS`; `--ways` > 1: one tensor-parallel shard) at each row
 count, as one product (`plain_dot`: bf16 in, f32 accumulation, cast to bf16;
-the bias and activation epilogues XLA fuses in the model are left out)
-and with K split by hand (`split_k_dot`: S partial products summed in f32:
-S times more thread blocks for the narrow outputs; checked against the dot,
-`max_abs_err`), against a jnp copy's
-bandwidth measured in the same run. Each timed jit holds enough distinct
+the bias and activation epilogues XLA fuses in the model are left out),
+against a jnp copy's bandwidth measured in the same run. Each timed jit holds enough distinct
 weight copies to overflow the L2 cache, as a model's layers do. GPU time
 from the profiler trace (`scripts.benchmarking.DeviceTimer`), else wall
 time. Writes gemm.json (records) and gemm.png.
@@ -42,22 +39,12 @@ from scripts.benchmarking import (DeviceTimer, benchmark_pairs, compile_cache_fr
 flags.DEFINE_string("out_dir", "results/h200", "where gemm.json and gemm.png go")
 flags.DEFINE_list("models", ["qwen7b"], "benchmark pairs (configs.shapes.PAIRS)")
 flags.DEFINE_list("rows", ["8", "16", "40", "80"], "activation rows (batch x tokens)")
-flags.DEFINE_list("splits", ["2", "4", "8"], "K splits of split_k_dot")
 flags.DEFINE_integer("ways", 1, "tensor-parallel ways: time one device's shard")
 flags.DEFINE_integer("flush_mb", 256, "weight bytes per timed jit (> L2: no cache reuse)")
 flags.DEFINE_integer("repeats", 5, "timed calls per measurement (median)")
 flags.DEFINE_string("xla_flags", "", "appended to XLA_FLAGS before jax starts")
 flags.DEFINE_bool("smoke", False, "tiny shapes (CPU)")
 FLAGS = flags.FLAGS
-
-
-def split_k_dot(x, w, splits: int):
-  """`x @ w` as `splits` partial products over slices of K, summed in f32."""
-  m, k = x.shape
-  parts = jnp.einsum("msk,skn->smn", x.reshape(m, splits, k // splits),
-                     w.reshape(splits, k // splits, w.shape[1]),
-                     preferred_element_type=jnp.float32)
-  return parts.sum(0).astype(x.dtype)
 
 
 def plain_dot(x, w):
@@ -126,25 +113,16 @@ def main(argv):
         ws = [jax.random.normal(kk, (k, n_out), dtype) * 0.02 for kk in jax.random.split(kw, copies)]
         for rows in (int(r) for r in FLAGS.rows):
           xs = [jax.random.normal(kk, (rows, k), dtype) for kk in jax.random.split(kx, copies)]
-          variants = [("dot", 1, plain_dot)]
-          variants += [(f"split_k{s}", s, lambda x, w, s=s: split_k_dot(x, w, s))
-                       for s in (int(v) for v in FLAGS.splits) if k % s == 0 and k // s >= 64]
-          want = plain_dot(xs[0], ws[0]).astype(jnp.float32)
-          for variant, splits, fn in variants:
-            # the variant computes the same product (f32 sums in another order)
-            err = float(jnp.max(jnp.abs(fn(xs[0], ws[0]).astype(jnp.float32) - want)))
-            dev_ms, wall_ms = timed(
-                lambda xs, ws, fn=fn: [fn(x, w) for x, w in zip(xs, ws)], (xs, ws))
-            us = 1e3 * (dev_ms or wall_ms) / copies
-            rec = dict(meta, kernel="gemm", model=name, role=role, proj=proj, k=k, n=n_out,
-                       rows=rows, variant=variant, splits=splits, weight_bytes=wbytes,
-                       copies=copies, us=us, gpu=dev_ms is not None, max_abs_err=err,
-                       max_abs_ref=float(jnp.max(jnp.abs(want))),
-                       tbs=wbytes / (us * 1e-6) / 1e12)
-            rec["bw_frac"] = rec["tbs"] / copy_tbs
-            records.append(rec)
-            print(f"{name} {role:6s} {proj:8s} K={k:6d} N={n_out:6d} rows={rows:3d} "
-                  f"{variant:9s} {us:8.2f} us  {rec['bw_frac']:6.0%} of copy BW", flush=True)
+          dev_ms, wall_ms = timed(
+              lambda xs, ws: [plain_dot(x, w) for x, w in zip(xs, ws)], (xs, ws))
+          us = 1e3 * (dev_ms or wall_ms) / copies
+          rec = dict(meta, kernel="gemm", model=name, role=role, proj=proj, k=k, n=n_out,
+                     rows=rows, weight_bytes=wbytes, copies=copies, us=us,
+                     gpu=dev_ms is not None, tbs=wbytes / (us * 1e-6) / 1e12)
+          rec["bw_frac"] = rec["tbs"] / copy_tbs
+          records.append(rec)
+          print(f"{name} {role:6s} {proj:8s} K={k:6d} N={n_out:6d} rows={rows:3d} "
+                f"{us:8.2f} us  {rec['bw_frac']:6.0%} of copy BW", flush=True)
           del xs
         del ws
   write_json(out_json, records)
@@ -153,8 +131,8 @@ def main(argv):
 
 
 def save_plot(records, path):
-  """Share of the copy bandwidth per projection and row count: the model's
-  dot and the best split-K; a row of panels per model, a column per role."""
+  """Share of the copy bandwidth per projection and row count; a row of
+  panels per model, a column per role."""
   gemms = [r for r in records if r["kernel"] == "gemm"]
   models = sorted({r["model"] for r in gemms})
   roles = sorted({r["role"] for r in gemms}, reverse=True)  # target, draft
@@ -166,15 +144,11 @@ def save_plot(records, path):
     mine = [r for r in gemms if (r["model"], r["role"]) == (model, role)]
     projs = list(dict.fromkeys(r["proj"] for r in mine))
     rows = sorted({r["rows"] for r in mine})
-    width = 0.8 / (2 * len(rows))
+    width = 0.8 / len(rows)
     for j, m in enumerate(rows):
-      dot = [next((r["bw_frac"] for r in mine if r["proj"] == p and r["rows"] == m
-                   and r["variant"] == "dot"), 0) for p in projs]
-      best = [max([r["bw_frac"] for r in mine if r["proj"] == p and r["rows"] == m
-                   and r["variant"] != "dot"] or [0]) for p in projs]
-      xs = [i + (2 * j) * width for i in range(len(projs))]
-      ax.bar(xs, dot, width, label=f"{m} rows: dot")
-      ax.bar([x + width for x in xs], best, width, label=f"{m} rows: best split-K", alpha=0.6)
+      share = [next((r["bw_frac"] for r in mine if r["proj"] == p and r["rows"] == m), 0)
+               for p in projs]
+      ax.bar([i + j * width for i in range(len(projs))], share, width, label=f"{m} rows")
     ax.set_xticks([i + 0.4 - width / 2 for i in range(len(projs))], projs)
     ax.axhline(1.0, color="gray", lw=0.8, ls="--")
     ax.set_ylabel("share of the copy bandwidth")

@@ -1,9 +1,8 @@
-r"""Prefill throughput: the layer-major prefill against its anchor and the chunked
-one (`dustin_jax.prefill.prefill_chunked`).
+r"""Prefill throughput: the layer-major prefill against its anchor.
 
   python -m scripts.bench_prefill --out=results/h200/prefill.json --pairs=qwen7b,llama3_8b \
-      --contexts=8192,16384,32768 --batches=1,8,16 --old
-  python -m scripts.bench_prefill --real_pair --contexts=4096 --batches=8 --old \
+      --contexts=8192,16384,32768 --batches=1,8,16
+  python -m scripts.bench_prefill --real_pair --contexts=4096 --batches=8 \
       --out=results/cpu/prefill_real.json                          # CPU, the real pair
 
 Per (pair, batch, context), in one process, random weights of the real
@@ -20,10 +19,6 @@ runs) or, with `--real_pair`, the offline Qwen2.5-Coder 1.5B + 0.5B (f32):
                       elsewhere) plus its GEMMs (q/k/v, o, gate/up, down; no
                       norms, rope or cache writes) over the whole batch, timed
                       alone in this process and multiplied by the layer count
-  old_*               with `--old`: the chunked `dustin_jax.prefill.prefill`
-                      (`--old_chunk` tokens per call, attention over the whole
-                      cache) on the same prompts, timed after one chunk compiled
-                      it; speedup_vs_old = old_prefill_s / prefill_s
 Prompts: random tokens; every prompt body is `context` tokens (cache rows
 filled exactly), or, with `--ragged`, between 7/8 of it and all of it.
 A configuration whose estimated memory exceeds the device's is skipped with
@@ -45,14 +40,13 @@ from jax import lax
 import jax.numpy as jnp
 import numpy as np
 
-from dustin_jax import sharding
+from dustin_jax import sharding, weights
 from dustin_jax.assets import ensure_model
 from dustin_jax.cache import KVCache
 from dustin_jax.config import ModelConfig
 from dustin_jax.decoding import Model
 from dustin_jax.models import prefill as lm
-from dustin_jax.prefill import prefill_chunked
-from dustin_jax.profiling.runtime import REAL_DRAFT, REAL_TARGET, load_gguf_lean
+from dustin_jax.profiling.runtime import REAL_DRAFT, REAL_TARGET
 from kernels.prefill_attention.reference import prefill_attention_reference
 from scripts.benchmarking import (benchmark_pairs, compile_cache_from_flag, median_seconds, pyplot,
                                   random_model, save_figure, write_json)
@@ -66,9 +60,6 @@ flags.DEFINE_string("dtype", "", "bfloat16 or float32 (default: bfloat16 on GPU/
                     "on CPU; the real pair is always float32)")
 flags.DEFINE_string("impl", "auto", "prefill attention impl (auto, reference, gpu, tpu)")
 flags.DEFINE_integer("token_block", 0, "tokens per tile of the per-token work (0: the default)")
-flags.DEFINE_bool("old", False, "also time the chunked prefill (prefill_chunked) on the same "
-                  "prompts")
-flags.DEFINE_integer("old_chunk", 256, "tokens per chunk of the chunked prefill")
 flags.DEFINE_bool("real_pair", False, "the offline Qwen2.5-Coder 1.5B + 0.5B GGUF pair, f32")
 flags.DEFINE_bool("ragged", False, "prompt bodies between 7/8 of the context and all of it")
 flags.DEFINE_bool("anchor", True, "time the anchor (one target layer x layers)")
@@ -91,20 +82,17 @@ def capacity_bytes():
   return int(info["MemAvailable"].split()[0]) * 1024
 
 
-def need_bytes(cfg, batch, s, token_block, itemsize, old_chunk=0):
+def need_bytes(cfg, batch, s, token_block, itemsize):
   """Estimated peak bytes of one model's prefill: weights, cache, the
   activations of one layer over the whole batch (x, q, k, v, attention out,
   next x, with f32 attention copies on the reference path), one tile of the
-  MLP; with `old_chunk`, the chunked prefill's f32 scores instead."""
+  MLP."""
   n = batch * s
   weights = cfg.num_params() * itemsize
   cache = 2 * cfg.num_layers * batch * cfg.num_kv_heads * s * cfg.head_dim * itemsize
   qd, kd = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
   acts = n * (2 * cfg.hidden_size + 2 * qd + 2 * kd) * itemsize + n * (2 * qd + 2 * kd) * 4
   tile = 3 * min(token_block, n) * cfg.intermediate_size * itemsize
-  if old_chunk:
-    scores = 3 * batch * cfg.num_heads * old_chunk * s * 4
-    return weights + cache + scores + 3 * batch * old_chunk * cfg.intermediate_size * itemsize
   return weights + cache + acts + tile
 
 
@@ -128,15 +116,6 @@ def time_new(model, prompts, max_len, impl, token_block, warmup, repeats):
   compile_s = time.perf_counter() - t0
   run_s, _ = median_seconds(lambda: compiled(model.state, fresh(), tok, n), warmup, repeats)
   return compile_s, run_s
-
-
-def time_old(model, prompts, max_len, chunk, repeats):
-  """Seconds of the chunked prefill, its one program compiled first by a
-  prefill of one chunk."""
-  fresh = lambda: KVCache.init(model.cfg, len(prompts), max_len)
-  prefill_chunked(model, fresh(), [p[:chunk + 1] for p in prompts], chunk=chunk)
-  return median_seconds(lambda: prefill_chunked(model, fresh(), prompts, chunk=chunk), 0,
-                        repeats)[0]
 
 
 def anchor_layer_s(cfg, batch, s, token_block, dtype, warmup, repeats):
@@ -183,8 +162,8 @@ def anchor_layer_s(cfg, batch, s, token_block, dtype, warmup, repeats):
 
 def load_real_pair():
   """(target, draft) Models of the offline Qwen2.5-Coder 1.5B / 0.5B GGUF
-  files, f32 (the lean loader: a lower host-memory peak)."""
-  target, draft = (Model(*load_gguf_lean(str(ensure_model(name, progress=False))))
+  files, f32."""
+  target, draft = (Model(*weights.load_gguf_checkpoint(str(ensure_model(name, progress=False))))
                    for name in (REAL_TARGET, REAL_DRAFT))
   return target, draft, f"{REAL_TARGET}+{REAL_DRAFT.split('-')[-2]}"
 
@@ -255,20 +234,6 @@ def main(argv):
                   f"(compile {c_s:.1f} s)", flush=True)
           rec["prefill_s"] = rec["target_s"] + rec["draft_s"]
           rec["tokens_per_s"] = tokens / rec["prefill_s"]
-          if FLAGS.old:
-            old_need = max(need_bytes(m.cfg, batch, context, token_block, itemsize,
-                                      old_chunk=FLAGS.old_chunk) for m in (t, d))
-            if old_need > 0.9 * cap:
-              rec["old_skipped"] = "memory"
-            else:
-              for role, m in (("target", t), ("draft", d)):
-                run_s = time_old(m, prompts, context, FLAGS.old_chunk, FLAGS.repeats)
-                rec[f"old_{role}_s"] = run_s
-                save()
-                print(f"  {name} old {role} B={batch} ctx={context}: {run_s:.3f} s", flush=True)
-              rec["old_prefill_s"] = rec["old_target_s"] + rec["old_draft_s"]
-              rec["old_tokens_per_s"] = tokens / rec["old_prefill_s"]
-              rec["speedup_vs_old"] = rec["old_prefill_s"] / rec["prefill_s"]
           if FLAGS.anchor:
             layer_s = anchor_layer_s(t.cfg, batch, context, token_block, t.cfg.dtype, warmup,
                                      FLAGS.repeats)
@@ -281,7 +246,7 @@ def main(argv):
         rec["loadavg_end"] = os.getloadavg()[0]
         print(json.dumps({k: rec.get(k) for k in (
             "model", "batch", "context", "prefill_s", "tokens_per_s", "anchor_s",
-            "anchor_tokens_per_s", "old_tokens_per_s", "speedup_vs_old", "error")}), flush=True)
+            "anchor_tokens_per_s", "error")}), flush=True)
         save()
   save()
   finish(records)
@@ -294,8 +259,7 @@ def finish(records):
 
 def save_plot(records, path):
   """Tokens/s against context, one panel per pair: the layer-major prefill
-  (solid, circles), the anchor (dotted, triangles), the chunked prefill
-  (dashed, squares); colour: batch."""
+  (solid, circles) and the anchor (dotted, triangles); colour: batch."""
   plt = pyplot()
   ok = [r for r in records if r.get("tokens_per_s")]
   models = sorted({r["model"] for r in ok}) or ["(no measurement)"]
@@ -307,8 +271,7 @@ def save_plot(records, path):
       pts = sorted((r["context"], r) for r in rows if r["batch"] == b)
       c = colors[i % len(colors)]
       for key, ls, mk, label in (("tokens_per_s", "-", "o", "layer-major"),
-                                 ("anchor_tokens_per_s", ":", "^", "anchor (target only)"),
-                                 ("old_tokens_per_s", "--", "s", "old chunked")):
+                                 ("anchor_tokens_per_s", ":", "^", "anchor (target only)")):
         xy = [(x, r[key]) for x, r in pts if r.get(key)]
         if xy:
           ax.plot(*zip(*xy), ls=ls, marker=mk, color=c, label=f"B={b} {label}")

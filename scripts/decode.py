@@ -6,10 +6,10 @@ r"""Decode text (or random prompts) with speculative or plain decoding.
 
 Prints the generated text of every sequence and a stats block (tokens/s,
 mean accepted length tau, acceptance rate, and the wall clock a user waits:
-load, prefill, compile, time to first token, decode; with
-`--config.time_phases` the GPU time per phase of the fused step); `--config.output_json` writes the
-same as JSON with the token ids and text of every sequence under
-`sequences`.
+load, prefill, compile, time to first token, decode);
+`--config.output_json` writes the same as JSON with the token ids and text
+of every sequence under `sequences`. (Device time per phase of the step:
+`scripts/trace_step.py`.)
 
 A problem with the config or the inputs (a bad value, a missing or
 malformed file, a checkpoint that does not match, a prompt that does not
@@ -34,8 +34,7 @@ from dustin_jax import run as runlib
 from dustin_jax.compilation import CompileClock, use_compile_cache
 from dustin_jax.config import ConfigError, append_xla_flags
 from dustin_jax.run import USER_ERRORS
-from dustin_jax.speculative.engine import generate_speculative, init_state
-from dustin_jax.speculative.step import bind_spec_step
+from dustin_jax.speculative.engine import generate_speculative
 from dustin_jax.vanilla import generate
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "ml_collections run config file.",
@@ -56,12 +55,6 @@ def run(c) -> dict:
   else:
     seqs, stats = generate_speculative(b.target, b.draft, b.prompts, cfg=b.spec, **common)
   total_s = time.perf_counter() - t0
-  phases = None
-  if c.time_phases and c.method == "speculative":
-    from scripts.benchmarking import phase_device_ms  # measurement: only when asked for
-    st = init_state(b.target, b.draft, b.prompts, cfg=b.spec, max_new_tokens=c.max_new_tokens,
-                    max_len=c.max_len, seed=c.seed, token_block=c.prefill_block)
-    phases, _ = phase_device_ms(bind_spec_step(b.target, b.draft, b.spec), st, steps=3)
   wall = dict(load_s=load_s, prefill_s=stats.prefill_s, decode_s=stats.decode_s, total_s=total_s,
               compile_s=clock.seconds + stats.compile_s,
               time_to_first_token_s=load_s + stats.prefill_s + stats.first_step_s)
@@ -72,8 +65,7 @@ def run(c) -> dict:
       "compile_cache": jax.config.jax_compilation_cache_dir or None,
       "memory_plan_bytes": {k: getattr(b.memory_plan, k) for k in
                             ("weights", "target_cache", "draft_cache", "workspace", "total")},
-      "wall": wall, "stats": stats.as_dict(), "time_phases": bool(c.time_phases),
-      "phase_ms": phases,
+      "wall": wall, "stats": stats.as_dict(),
       "sequences": [{"tokens": s, "text": (b.tokenizer.decode(s, skip_special_tokens=True)
                                           if b.tokenizer else None)} for s in seqs],
   }
@@ -94,12 +86,6 @@ def print_result(r) -> None:
         f"prefill {st['prompt_tokens']} tokens, {st['prefill_tokens_per_s']:.0f} tokens/s")
   print(f"decode {st['tokens']} tokens in {st['steps']} steps, {st['tokens_per_s']:.2f} tokens/s "
         f"(compile excluded)  tau {st['tau']:.2f}  acceptance rate {st['acceptance_rate']:.2f}")
-  if r["phase_ms"]:
-    print("GPU time per phase (ms): "
-          + "  ".join(f"{k} {v:.2f}" for k, v in r["phase_ms"].items()))
-  elif r.get("time_phases") and r["policy"]:
-    print("time per phase: none measured (it is GPU kernel time from a profiler trace, and "
-          f"{r['device']} shows no device kernels)")
 
 
 def check_output(path: str) -> None:

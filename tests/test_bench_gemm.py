@@ -1,4 +1,4 @@
-"""scripts/bench_gemm on CPU: every projection timed, split-K equal to the dot."""
+"""scripts/bench_gemm on CPU: every projection of both models timed at every row count."""
 
 import json
 import os
@@ -8,7 +8,7 @@ import sys
 
 def test_bench_gemm_smoke(tmp_path):
   argv = [sys.executable, "-m", "scripts.bench_gemm", "--smoke", f"--out_dir={tmp_path}",
-          "--rows=8,16", "--splits=2", "--repeats=1"]
+          "--rows=8,16", "--repeats=1"]
   p = subprocess.run(argv, capture_output=True, text=True, timeout=600,
                      env=dict(os.environ, JAX_PLATFORMS="cpu"))
   assert p.returncode == 0, p.stderr[-2000:]
@@ -19,11 +19,10 @@ def test_bench_gemm_smoke(tmp_path):
   # tiny_hf: hidden 64, 4 heads of 16, 2 KV heads, intermediate 128, vocab 512
   want = {"qkv": (64, 128), "o": (64, 64), "gate_up": (64, 256), "down": (128, 64),
           "lm_head": (64, 512)}
-  assert {(r["role"], r["proj"], r["k"], r["n"]) for r in gemms} == {
-      (role, p, k, n) for role in ("target", "draft") for p, (k, n) in want.items()}
-  # split-K runs where its K slices are >= 64 wide (only down's K = 128 here)
-  assert {r["proj"] for r in gemms if r["variant"] == "split_k2"} == {"down"}
+  assert sorted((r["role"], r["proj"], r["k"], r["n"], r["rows"]) for r in gemms) == sorted(
+      (role, p, k, n, rows) for role in ("target", "draft") for p, (k, n) in want.items()
+      for rows in (8, 16))
   for r in gemms:
-    assert r["us"] > 0 and r["rows"] in (8, 16) and 0 < r["bw_frac"]
-    assert r["max_abs_err"] <= 2e-2 * r["max_abs_ref"], r  # bf16 output rounding
+    assert r["us"] > 0 and 0 < r["bw_frac"]
+    assert r["tbs"] == r["weight_bytes"] / (r["us"] * 1e-6) / 1e12
   assert (tmp_path / "gemm.png").stat().st_size > 0

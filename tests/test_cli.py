@@ -22,17 +22,13 @@ def test_decode_tiny_writes_json(tmp_path, capsys):
   from configs import tiny
   from scripts.decode import print_result, run
   c = tiny.get_config()
-  c.selection.policy, c.time_phases = "dustin", True
+  c.selection.policy = "dustin"
   r = run(c)
   print_result(r)
   out = capsys.readouterr().out
   assert "tokens/s" in out and "tau" in out
   assert len(r["sequences"]) == c.batch_size
   assert all(len(s["tokens"]) == c.max_new_tokens for s in r["sequences"])
-  if r["device"] == "cpu":  # phases are GPU kernel time, from a profiler trace
-    assert r["phase_ms"] is None and "time per phase: none measured" in out
-  else:
-    assert {"draft", "select", "verify", "commit"} <= set(r["phase_ms"])
   assert 1.0 <= r["stats"]["tau"] <= c.gamma + 1
   json.dumps(r)  # serialisable as written by --config.output_json
 
@@ -104,7 +100,7 @@ def test_missing_config_file():
 
 def test_oracle_decodes_and_writes_json_atomically_into_a_new_directory(tmp_path):
   out = tmp_path / "new" / "dir" / "out.json"  # its directory is made before decoding
-  p = _run_cli("--config.selection.policy=oracle", "--config.time_phases=True",
+  p = _run_cli("--config.selection.policy=oracle",
                "--config.max_new_tokens=8", f"--config.output_json={out}")
   assert p.returncode == 0, p.stderr
   assert "=== sequence 1 (8 tokens) ===" in p.stdout and "policy oracle" in p.stdout
@@ -148,7 +144,7 @@ def test_write_json_replaces_the_file_whole(tmp_path, monkeypatch):
 def test_xla_flags_reach_xla(tmp_path):
   dump = tmp_path / "dump"
   code, last = _cli(f"--config.xla_flags=--xla_dump_to={dump}", "--config.method=vanilla",
-                    "--config.time_phases=False", "--config.max_new_tokens=2",
+                    "--config.max_new_tokens=2",
                     "--config.progress=False")
   assert code == 0, last
   assert any(f.name.endswith(".txt") for f in dump.iterdir())  # XLA dumped the programs
@@ -164,7 +160,7 @@ def test_vanilla_method_ignores_the_policy():
   from configs import tiny
   from scripts.decode import run
   c = tiny.get_config()
-  c.method, c.selection.policy, c.time_phases = "vanilla", "dustin", False
+  c.method, c.selection.policy = "vanilla", "dustin"
   r = run(c)
   assert r["stats"]["tau"] == 1.0 and all(len(s["tokens"]) == c.max_new_tokens
                                           for s in r["sequences"])

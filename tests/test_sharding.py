@@ -174,7 +174,7 @@ def test_cli_72b_shape_reduced_layers_runs_a_step_on_8_devices(tmp_path, capsys)
   c.target.num_layers = 1
   c.draft.num_layers = 1
   c.batch_size, c.prompt_len, c.max_len, c.max_new_tokens = 8, 32, 128, 4
-  c.progress, c.time_phases = False, False
+  c.progress = False
   c.selection.policy = "full"
   r = run(c)
   assert r["mesh"] == {"data": 1, "model": 8}

@@ -33,6 +33,9 @@ def test_bench_smoke(tmp_path):
   assert sorted(r["budget"] for r in sv) == [8, 16]
   assert all(r["bytes"] < dec[0]["bytes"] for r in sv)
   assert any("ratio_vs_28x_decode" in r for r in recs)
+  # --check: outputs against the references (f32 on CPU)
+  assert dec[0]["rel_err_vs_reference"] < 1e-4
+  assert [r["rel_err_vs_reference"] < 1e-4 for r in sv if "rel_err_vs_reference" in r] == [True]
 
 
 def test_budget_shapes_choose_where_every_budget_runs(tmp_path):
