@@ -31,17 +31,20 @@ def shard(model: Model, mesh) -> Model:
   return Model(*weights.place_model(model.cfg, model.graphdef, model.state, mesh))
 
 
-@pytest.mark.parametrize("policy", ["full", "dustin"])
+@pytest.mark.parametrize("policy,draft_kv", [("full", "full"), ("dustin", "full"),
+                                             ("dustin", "streaming")])
 @pytest.mark.parametrize("data,model", [(1, 8), (2, 4), (8, 1)])
-def test_sharded_speculative_equals_unsharded(models, data, model, policy, rng):
+def test_sharded_speculative_equals_unsharded(models, data, model, policy, draft_kv, rng):
   from dustin_jax.selection.policies import policy_from_config
   target, draft = models
   prompts = [rng.integers(0, 96, size=n).tolist() for n in (29, 4, 33, 6, 27, 11, 5, 30)]
   # a budget below the context: the dustin selection really drops rows
   fields = dict(policy=policy, budget=16, n_sink=2, n_window=6, m=4)
   pol = policy_from_config(fields, target.cfg, draft.cfg)
+  # a streaming draft cache smaller than the prompts: its window kernel drops rows
+  stream = dict(draft_kv=draft_kv, draft_sink=2, draft_window=8)
   ref, _ = generate_speculative(target, draft, prompts, max_new_tokens=10, max_len=64,
-                                cfg=SpecConfig(gamma=3, policy=pol))
+                                cfg=SpecConfig(gamma=3, policy=pol, **stream))
   mesh = sharding.make_mesh(data, model)
   t, d = shard(target, mesh), shard(draft, sharding.draft_mesh(mesh))
   qkv = t.state["layers"][0]["self_attn"]["qkv_proj"]["kernel"][...]
@@ -54,7 +57,7 @@ def test_sharded_speculative_equals_unsharded(models, data, model, policy, rng):
   # the policy of the (KV-replicated) sharded models: same heads, same budget
   pol = policy_from_config(fields, t.cfg, d.cfg)
   ours, _ = generate_speculative(t, d, prompts, max_new_tokens=10, max_len=64,
-                                 cfg=SpecConfig(gamma=3, policy=pol, mesh=mesh))
+                                 cfg=SpecConfig(gamma=3, policy=pol, mesh=mesh, **stream))
   assert ours == ref
 
 

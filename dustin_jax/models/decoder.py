@@ -9,8 +9,12 @@ Each layer runs two fused projections of its normed input: `qkv_proj`
 `weights.py` assemble them from the Hugging Face tensors).
 
 Attention reads the KV cache through `kernels/`: the full cache
-(`decode_attention`) or, when `kv_indices` is given, only those context rows
-plus the new block (`sparse_verify`) -- the seam the selection policies use.
+(`decode_attention`), or, when `kv_indices` is given, only those context rows
+plus the new block (`sparse_verify`) -- the seam the selection policies use --
+or, when `window` is given, only an attention-sink prefix and a recent window
+plus the block (`window_attention`: a streaming draft; the kernel also applies
+RoPE and writes the block's rows, so a draft layer-pass's attention is one
+kernel).
 """
 
 from __future__ import annotations
@@ -27,23 +31,33 @@ from dustin_jax.cache import KVCache, write_rows
 from dustin_jax.config import ModelConfig, rope_inv_freq
 from kernels.decode_attention.ops import decode_attention
 from kernels.sparse_verify.ops import sparse_verify
+from kernels.window_attention.ops import window_attention
 
 
-def attention(q, k, v, k_cache, v_cache, lengths, kv_indices, impl, mesh):
+def attention(q, k, v, k_cache, v_cache, lengths, kv_indices, impl, mesh, window=None,
+              rope=None):
   """Write the block's rows `k, v [B, T, Hkv, D]` into the caches at
-  `lengths`, then full-cache or index-gathered attention of `q`. Returns
-  (out, k_cache, v_cache). Under a mesh both run per device on its own
-  batch rows and KV heads (`shard_map`): no KV row leaves its device, and
-  the cache write is a local scatter (split by XLA's partitioner, the
-  scatter gathered its updates and indices across devices at every layer)."""
-  def local(q, k, v, k_cache, v_cache, lengths, *idx):
+  `lengths`, then attention of `q` over the full cache, the `kv_indices`
+  rows, or (with `window = (n_sink, n_window)`) the sink and window rows,
+  each plus the block. With `window`, q and k come before RoPE and `rope =
+  (cos, sin)` [B, T, D] is applied in the kernel. Returns (out, k_cache,
+  v_cache). Under a mesh both run per device on its own batch rows and KV
+  heads (`shard_map`): no KV row leaves its device, and the cache write is
+  a local scatter (split by XLA's partitioner, the scatter gathered its
+  updates and indices across devices at every layer)."""
+  def local(q, k, v, k_cache, v_cache, lengths, *extra):
+    if window is not None:
+      cos, sin = (x[..., :x.shape[-1] // 2] for x in extra)  # the halves repeat
+      return window_attention(q, k, v, k_cache, v_cache, lengths, cos, sin, n_sink=window[0],
+                              n_window=window[1], impl=impl)
     k_cache, v_cache = write_rows(k_cache, k, lengths), write_rows(v_cache, v, lengths)
-    if idx:
-      return sparse_verify(q, k_cache, v_cache, lengths, idx[0], impl=impl), k_cache, v_cache
+    if extra:
+      return sparse_verify(q, k_cache, v_cache, lengths, extra[0], impl=impl), k_cache, v_cache
     return decode_attention(q, k_cache, v_cache, lengths, impl=impl), k_cache, v_cache
   if impl == "auto" and q.shape[1] > 16:
     impl = "reference"  # the Pallas kernels serve short verify blocks; prefill chunks use XLA
-  args = (q, k, v, k_cache, v_cache, lengths) + (() if kv_indices is None else (kv_indices,))
+  extra = rope if window is not None else (() if kv_indices is None else (kv_indices,))
+  args = (q, k, v, k_cache, v_cache, lengths) + tuple(extra)
   if mesh is None:
     return local(*args)
   from dustin_jax import sharding
@@ -52,9 +66,10 @@ def attention(q, k, v, k_cache, v_cache, lengths, kv_indices, impl, mesh):
   if (q_spec[2] is None) != (kv_spec[1] is None):  # heads must stay aligned with their KV head
     q_spec, kv_spec = sharding.heads_spec(1, mesh), sharding.cache_spec(1, mesh)
   rows_spec = P(kv_spec[0], None, kv_spec[1], None)  # [B, T, Hkv, D] like the cache
-  specs = (q_spec, rows_spec, rows_spec, kv_spec, kv_spec, sharding.batch_spec(1),
-           sharding.batch_spec(2))
-  return jax.shard_map(local, mesh=mesh, in_specs=specs[:len(args)],
+  extra_specs = ((P(kv_spec[0], None, None),) * 2 if window is not None  # cos, sin
+                 else (sharding.batch_spec(2),) * len(extra))          # kv_indices
+  specs = (q_spec, rows_spec, rows_spec, kv_spec, kv_spec, sharding.batch_spec(1)) + extra_specs
+  return jax.shard_map(local, mesh=mesh, in_specs=specs,
                        out_specs=(q_spec, kv_spec, kv_spec), check_vma=False)(*args)
 
 _INIT = nnx.initializers.normal(0.02)
@@ -139,15 +154,17 @@ class Attention(nnx.Module):
                            dtype=dtype, rngs=rngs)
     self.o_proj = Linear(cfg.num_heads * hd, d, bias=cfg.o_bias, dtype=dtype, rngs=rngs)
 
-  def qkv(self, x, cos, sin):
+  def qkv(self, x, cos=None, sin=None):
     """Queries [B, T, Hq, D], keys and values [B, T, Hkv, D] of normed `x`
-    [B, T, d], q and k after rope."""
+    [B, T, d], q and k after rope (before it without cos, sin)."""
     b, t, _ = x.shape
     g, hd = self.num_kv_heads, self.head_dim
     r = self.num_heads // g
     qkv = self.qkv_proj(x).reshape(b, t, g, r + 2, hd)
     q = qkv[:, :, :, :r].reshape(b, t, self.num_heads, hd)
     k, v = qkv[:, :, :, r], qkv[:, :, :, r + 1]
+    if cos is None:
+      return q, k, v
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
   def out(self, attn):
@@ -194,13 +211,21 @@ class Block(nnx.Module):
     x = x + self.self_attn.out(attn)
     return x + self.mlp(self.post_attention_layernorm(x))
 
-  def __call__(self, x, cos, sin, k_cache, v_cache, lengths, kv_indices, impl, mesh):
-    q, k, v = self.qkv(x, cos, sin)
-    out, k_cache, v_cache = attention(q, k, v, k_cache, v_cache, lengths, kv_indices, impl, mesh)
-    return self.finish(x, out), k_cache, v_cache, q
+  def __call__(self, x, cos, sin, k_cache, v_cache, lengths, kv_indices, impl, mesh,
+               window=None):
+    if window is None:
+      q, k, v = self.qkv(x, cos, sin)
+      out, k_cache, v_cache = attention(q, k, v, k_cache, v_cache, lengths, kv_indices, impl,
+                                        mesh)
+      return self.finish(x, out), k_cache, v_cache, q
+    q, k, v = self.self_attn.qkv(self.input_layernorm(x))  # RoPE in the kernel
+    out, k_cache, v_cache = attention(q, k, v, k_cache, v_cache, lengths, None, impl, mesh,
+                                      window=window, rope=(cos, sin))
+    # the roped queries only where a caller taps them (XLA drops them elsewhere)
+    return self.finish(x, out), k_cache, v_cache, apply_rope(q, cos, sin)
 
 
-def run_block(layer: Block, *args, impl, mesh):
+def run_block(layer: Block, *args, impl, mesh, window=None):
   """`layer(*args, impl, mesh)` through one jitted function shared by every
   layer. Why: jit traces and lowers a function once per distinct argument
   shape, so a step with ~150 layer applications (every layer of the target,
@@ -208,12 +233,12 @@ def run_block(layer: Block, *args, impl, mesh):
   instead of ~150; XLA inlines the calls, so the compiled program is the
   one an inline loop would give."""
   graphdef, state = nnx.split(layer)
-  return _block(graphdef, state, *args, impl=impl, mesh=mesh)
+  return _block(graphdef, state, *args, impl=impl, mesh=mesh, window=window)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "impl", "mesh"))
-def _block(graphdef, state, *args, impl, mesh):
-  return nnx.merge(graphdef, state)(*args, impl, mesh)
+@functools.partial(jax.jit, static_argnames=("graphdef", "impl", "mesh", "window"))
+def _block(graphdef, state, *args, impl, mesh, window):
+  return nnx.merge(graphdef, state)(*args, impl, mesh, window)
 
 
 class Decoder(nnx.Module):
@@ -229,13 +254,15 @@ class Decoder(nnx.Module):
                     Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype, rngs=rngs))
 
   def __call__(self, tokens: jax.Array, cache: KVCache, *,
-               kv_indices: jax.Array | None = None, tap_layers=(),
-               impl: str = "auto", mesh=None):
+               kv_indices: jax.Array | None = None, window: tuple[int, int] | None = None,
+               tap_layers=(), impl: str = "auto", mesh=None):
     """Run `tokens[B, T]` at positions `cache.lengths[b] + t`.
 
     Writes their K/V into the cache (lengths unchanged: commit separately).
     `kv_indices[B, K]`: attend only to those context rows plus the new block
-    (None: the full cache). `mesh`: run attention per device (sharded step).
+    (None: the full cache); `window = (n_sink, n_window)`: only to the first
+    n_sink and the last n_window context rows plus the block (a streaming
+    cache). `mesh`: run attention per device (sharded step).
     Returns (hidden [B, T, d] after the final norm,
     cache, {layer: queries [B, T, Hq, D] after rope} for `tap_layers`).
     """
@@ -246,7 +273,7 @@ class Decoder(nnx.Module):
     taps = {}
     for i, layer in enumerate(self.layers):
       x, k, v, q = run_block(layer, x, cos, sin, cache.k[i], cache.v[i], cache.lengths,
-                             kv_indices, impl=impl, mesh=mesh)
+                             kv_indices, impl=impl, mesh=mesh, window=window)
       cache = cache.with_layer(i, k, v)
       if i in tap_layers:
         taps[i] = q

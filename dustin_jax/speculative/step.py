@@ -33,7 +33,7 @@ from dustin_jax.cache import KVCache
 from dustin_jax.decoding import DecodeState, Model, StepOutput, emit
 from dustin_jax.sampling import SamplingConfig, pad_vocab, probs, sample
 from dustin_jax.selection.arr import arr_of_indices, layer_weights
-from dustin_jax.selection.base import FullCache, Policy, sink_window_indices
+from dustin_jax.selection.base import FullCache, Policy
 from dustin_jax.sharding import draft_mesh
 
 DRAFT_KV_MODES = ("full", "streaming")
@@ -126,9 +126,8 @@ def draft_phase(graphdef, params, cache: KVCache, ds: DecodeState, signals, cfg:
 
   def forward(c, tokens, at):
     """Run `tokens[B, n]`, the first at positions `at[b]`: logits of the last."""
-    kv = (sink_window_indices(at, cfg.draft_sink, cfg.draft_window)
-          if cfg.draft_kv == "streaming" else None)
-    hidden, c, taps = model(tokens, c.with_lengths(at), kv_indices=kv,
+    window = (cfg.draft_sink, cfg.draft_window) if cfg.draft_kv == "streaming" else None
+    hidden, c, taps = model(tokens, c.with_lengths(at), window=window,
                             tap_layers=policy.draft_tap_layers, impl=cfg.impl,
                             mesh=mesh)
     return model.logits(hidden[:, -1]), taps, c

@@ -1,0 +1,197 @@
+"""Window attention with the new rows written in place, Pallas with Triton
+lowering: one kernel for the draft's attention of one layer-pass.
+
+Grid (B, Hkv).  Program (b, h), with L = lengths[b]:
+  * loads the q rows of the G query heads of KV head h times the T tokens as
+    the M rows of one tile (row r = t * G + g, padded to a power of two >= 16
+    for the tensor-core dots), and the T rows of k_new / v_new of head h;
+  * applies RoPE in f32 in registers to q and k_new: x * cos + rot(x) * sin
+    with rot(x) = [-x2, x1] read as a second, column-permuted load of the same
+    rows (no in-register shuffle), cast back to the input dtype;
+  * online softmax (f32, log2 units) over the T block rows first (from
+    registers, causal: query t sees block rows 0..t; every row then has a
+    finite running max, so later masked tiles need no empty-row guard), then
+    the sink rows [0, min(n_sink, L)) as one masked tile of next_pow2(n_sink)
+    rows, then the window rows [max(n_sink, L - n_window), L) in tiles of
+    ``block_w`` rows at the dynamic start, masked past L (only the tiles the
+    window fills are walked);
+  * stores the output rows, and the roped k rows and the v rows into the
+    caches at rows L + t (masked row stores).  The cache outputs alias the
+    cache inputs (``input_output_aliases``): the update is in place when the
+    caller's cache buffers are donated (inside one jit, when the old cache is
+    dead), otherwise XLA copies the caches first.  The program never reads
+    back a row it writes (its reads are rows < L), and programs write disjoint
+    rows, so there is no ordering hazard.
+
+Why Triton and not Mosaic GPU: a program handles G * T query rows, at most 16
+for the draft models at T <= 2 (G = 7 for Qwen2.5-0.5B, 4 for Llama-3.2-1B),
+with masked row loads/stores at a per-sequence dynamic offset.  Mosaic GPU's
+tensor-core path is WGMMA, whose accumulator needs M a multiple of 64
+(``jax.experimental.mosaic.gpu.wgmma`` raises otherwise), so 3/4 of every tile
+would be padding; its row gather/scatter lowers to TMA ``tile::gather4``
+(sm_100+, Blackwell, not Hopper) and takes no predicate ("Gather/scatter TMA
+does not support predicates yet" in jax's Mosaic GPU lowering).  Triton's
+masked pointer loads/stores and 16-row dots fit the shape directly.
+
+Measured on one H200 (jax 0.11.2, bf16, D 64, 16 sink + 496 window rows,
+lengths 4k-8k; device time from a profiler trace of 16 chained calls): 6.2-7.3
+us per call at the Qwen2.5-0.5B (14/2 heads) and Llama-3.2-1B (32/8) shapes,
+batch 1 and 16, T 1 and 2, where the op-by-op path it replaces (RoPE fusions,
+two scatters, sparse_verify) took 7.7-12 us of kernel time in the same harness
+(26 and 79 us at batch 16, T 1).  The time is latency, not bytes: block + RoPE
++ stores ~2 us, the sink tile ~0.4 us, each 128-row window tile ~0.85 us (the
+online-softmax chain of one program; 1008 window rows: 9.6 us, 2032: 16.4 us).
+64-row tiles were slower (7.4 us), 256-row ones no faster; 8 warps, 4-5
+stages, unmasked full tiles and peeling the first tile's loads did not help.
+Only B * Hkv programs run, so spreading the window over more programs per (b,
+h), merged in-kernel, is what would cut it further.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+from kernels import common, gpu_common
+from kernels.window_attention.reference import check_shapes
+
+
+def _kernel(len_ref, q_ref, kn_ref, vn_ref, cos_ref, sin_ref, kc_ref, vc_ref,
+            out_ref, kc_out, vc_out, *, T, G, Hq, Hkv, M, TB, D, S, n_sink, NS,
+            n_window, BW, scale_log2):
+  b = pl.program_id(0)
+  h = pl.program_id(1)
+  L = len_ref[b]
+  half = D // 2
+  cols = jnp.arange(D, dtype=jnp.int32)
+  lo = cols < half
+  rcols = jnp.where(lo, cols + half, cols - half)  # column of rot(x)
+  hcols = jnp.where(lo, cols, cols - half)  # column of cos / sin
+  sign = jnp.where(lo, -1.0, 1.0).astype(jnp.float32)
+
+  def load_rope_inputs(ref, rows, tok, ok):
+    m2 = ok[:, None]
+    x = plt.load(ref.at[b, rows[:, None], cols[None, :]], mask=m2, other=0.0)
+    xr = plt.load(ref.at[b, rows[:, None], rcols[None, :]], mask=m2,
+                  other=0.0)
+    c = plt.load(cos_ref.at[b, tok[:, None], hcols[None, :]], mask=m2,
+                 other=0.0)
+    s = plt.load(sin_ref.at[b, tok[:, None], hcols[None, :]], mask=m2,
+                 other=0.0)
+    return x, xr, c, s
+
+  def rope(x, xr, c, s):
+    rot = sign[None, :] * xr.astype(jnp.float32)
+    return (x.astype(jnp.float32) * c + rot * s).astype(x.dtype)
+
+  def load_rows(pos, ok):
+    rows = jnp.where(ok, pos, 0)
+    k = plt.load(kc_ref.at[b, h, rows[:, None], cols[None, :]],
+                 mask=ok[:, None], other=0.0)
+    v = plt.load(vc_ref.at[b, h, rows[:, None], cols[None, :]],
+                 mask=ok[:, None], other=0.0)
+    return k, v
+
+  def attend(carry, k, v, ok):
+    o, m, l = carry
+    s = gpu_common.dot(q, k, trans_b=True) * scale_log2
+    s = jnp.where(ok[None, :], s, -jnp.inf)
+    return gpu_common.softmax_update(o, m, l, s, v, guard_empty=False)
+
+  # The q, block and sink loads are all issued before any math.
+  t_r, row_ok, qrow = gpu_common.packed_rows(M, G, T, Hq, h)
+  q_in = load_rope_inputs(q_ref, qrow, jnp.where(row_ok, t_r, 0), row_ok)
+  j = jnp.arange(TB, dtype=jnp.int32)
+  blk_ok = j < T
+  nrow = jnp.where(blk_ok, j * Hkv + h, 0)
+  kn_in = load_rope_inputs(kn_ref, nrow, jnp.where(blk_ok, j, 0), blk_ok)
+  vn = plt.load(vn_ref.at[b, nrow[:, None], cols[None, :]],
+                mask=blk_ok[:, None], other=0.0)
+  if n_sink:
+    sink_pos = jnp.arange(NS, dtype=jnp.int32)
+    sink_ok = sink_pos < jnp.minimum(L, n_sink)
+    sink_kv = load_rows(sink_pos, sink_ok)
+
+  q = rope(*q_in)  # [M, D]
+  kn = rope(*kn_in)  # [TB, D]
+  # The block first: query row r sees block rows j <= t_r (j = 0 at least),
+  # so every row has a finite running max from here on.
+  s = gpu_common.dot(q, kn, trans_b=True) * scale_log2
+  s = jnp.where(blk_ok[None, :] & (j[None, :] <= t_r[:, None]), s, -jnp.inf)
+  carry = gpu_common.softmax_update(*gpu_common.softmax_init(M, D), s, vn,
+                                    guard_empty=False)
+  if n_sink:
+    carry = attend(carry, *sink_kv, sink_ok)
+  if n_window:
+    w0 = jnp.maximum(L - n_window, n_sink)
+
+    def step(i, carry):
+      pos = w0 + i * BW + jnp.arange(BW, dtype=jnp.int32)
+      return attend(carry, *load_rows(pos, pos < L), pos < L)
+
+    carry = lax.fori_loop(0, pl.cdiv(jnp.maximum(L - w0, 0), BW), step, carry)
+
+  o, m, l = carry
+  plt.store(out_ref.at[b, qrow[:, None], cols[None, :]],
+            (o / l[:, None]).astype(out_ref.dtype), mask=row_ok[:, None])
+  # Masked rows point past the cache (row S), never at a live row: interpret
+  # mode discharges a masked store as a scatter of old-or-new values, where
+  # a duplicate row index would race with the real write (OOB is dropped).
+  wrow = L + j
+  w_ok = blk_ok & (wrow < S)
+  wrow = jnp.where(w_ok, wrow, S)
+  plt.store(kc_out.at[b, h, wrow[:, None], cols[None, :]],
+            kn.astype(kc_out.dtype), mask=w_ok[:, None])
+  plt.store(vc_out.at[b, h, wrow[:, None], cols[None, :]],
+            vn.astype(vc_out.dtype), mask=w_ok[:, None])
+
+
+def default_tuning(n_window):
+  """Measured on the H200 (bf16, D 64, 16 sink + 496 window rows, module
+  docstring): window tiles of 128 rows (fewer when the window is shorter),
+  4 warps, 3 stages."""
+  block_w = min(128, max(16, common.next_pow2(max(n_window, 1))))
+  return dict(block_w=block_w, num_warps=4, num_stages=3)
+
+
+def window_attention_gpu(q, k_new, v_new, k_cache, v_cache, lengths, cos, sin,
+                         *, n_sink, n_window, scale=None, interpret=False,
+                         block_w=None, num_warps=None, num_stages=None):
+  B, T, Hq, D, Hkv, S = check_shapes(q, k_new, v_new, k_cache, v_cache,
+                                     lengths, cos, sin, n_sink, n_window)
+  n_sink, n_window = int(n_sink), int(n_window)
+  tune = default_tuning(n_window)
+  block_w = block_w or tune["block_w"]
+  num_warps = num_warps or tune["num_warps"]
+  num_stages = num_stages or tune["num_stages"]
+  if D & (D - 1) or D < 16:
+    raise ValueError(f"head_dim={D} must be a power of two >= 16 (Triton)")
+  if block_w & (block_w - 1) or block_w < 16:
+    raise ValueError(f"block_w={block_w} must be a power of two >= 16")
+  G = Hq // Hkv
+  M = max(16, common.next_pow2(G * T))
+  TB = max(16, common.next_pow2(T))
+  NS = max(16, common.next_pow2(n_sink))
+  scale = common.default_scale(D, scale)
+  kernel = functools.partial(
+      _kernel, T=T, G=G, Hq=Hq, Hkv=Hkv, M=M, TB=TB, D=D, S=S, n_sink=n_sink,
+      NS=NS, n_window=n_window, BW=block_w, scale_log2=scale * common.LOG2E)
+  out, k_cache, v_cache = pl.pallas_call(
+      kernel,
+      grid=(B, Hkv),
+      out_shape=[jax.ShapeDtypeStruct((B, T * Hq, D), q.dtype),
+                 jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
+                 jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype)],
+      input_output_aliases={6: 1, 7: 2},
+      compiler_params=plt.CompilerParams(num_warps=num_warps,
+                                         num_stages=num_stages),
+      interpret=interpret,
+      name="window_attention",
+  )(lengths.astype(jnp.int32), q.reshape(B, T * Hq, D),
+    k_new.reshape(B, T * Hkv, D), v_new.reshape(B, T * Hkv, D),
+    cos.astype(jnp.float32), sin.astype(jnp.float32), k_cache, v_cache)
+  return out.reshape(B, T, Hq, D), k_cache, v_cache

@@ -1,0 +1,209 @@
+"""window_attention: the reference vs the model's composition (RoPE, cache
+write, sparse_verify over the sink + window indices); the Pallas GPU kernel
+(interpret mode on CPU) vs the reference."""
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+from kernels.window_attention import ops
+from kernels.window_attention.reference import window_attention_reference
+from kernel_cases import ON_GPU, random_qkv, rel_err
+
+
+def rope_half_tables(positions, D, theta=10000.0):
+  """cos, sin [B, T, D // 2] f32 of integer positions [B, T]."""
+  inv = theta ** (-np.arange(0, D, 2, dtype=np.float64) / D)
+  f = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv, jnp.float32)
+  return jnp.cos(f), jnp.sin(f)
+
+
+def make_case(seed, B, T, Hq, Hkv, S, D, lengths, dtype=jnp.float32):
+  """q, k_new, v_new (before RoPE), caches with NaN garbage past
+  lengths + T (a stale read shows as a non-finite output), lengths, cos, sin
+  of the positions lengths + t."""
+  q, k_cache, v_cache, L = random_qkv(seed, B, T, Hq, Hkv, S, D, lengths)
+  kk, kv = jax.random.split(jax.random.PRNGKey(seed + 1000))
+  k_new = jax.random.normal(kk, (B, T, Hkv, D), jnp.float32)
+  v_new = jax.random.normal(kv, (B, T, Hkv, D), jnp.float32)
+  cos, sin = rope_half_tables(L[:, None] + jnp.arange(T)[None], D)
+  cast = lambda x: x.astype(dtype)
+  return (cast(q), cast(k_new), cast(v_new), cast(k_cache), cast(v_cache), L,
+          cos, sin)
+
+
+def composition(q, k_new, v_new, k_cache, v_cache, L, cos, sin, n_sink,
+                n_window):
+  """What the model does today, op by op."""
+  from dustin_jax.cache import write_rows
+  from dustin_jax.models.decoder import apply_rope
+  from dustin_jax.selection.base import sink_window_indices
+  from kernels.sparse_verify.reference import sparse_verify_reference
+  c2 = jnp.concatenate([cos, cos], -1)
+  s2 = jnp.concatenate([sin, sin], -1)
+  qr, kr = apply_rope(q, c2, s2), apply_rope(k_new, c2, s2)
+  kc = write_rows(k_cache, kr, L)
+  vc = write_rows(v_cache, v_new, L)
+  idx = sink_window_indices(L, n_sink, n_window)
+  return sparse_verify_reference(qr, kc, vc, L, idx), kc, vc
+
+
+def assert_written(kc, k_cache, rows_new, L, rtol=0.0):
+  """kc holds rows_new [B, T, Hkv, D] at rows L .. L + T - 1 (to rtol, as
+  much absolute) and k_cache's rows (NaN garbage included) everywhere else,
+  bit-exact."""
+  kc, k_cache = np.asarray(kc, np.float32), np.asarray(k_cache, np.float32)
+  rows_new = np.asarray(rows_new, np.float32)
+  T = rows_new.shape[1]
+  for b, l in enumerate(np.asarray(L)):
+    np.testing.assert_allclose(kc[b, :, l:l + T],
+                               rows_new[b].transpose(1, 0, 2), rtol=rtol,
+                               atol=rtol)
+    np.testing.assert_array_equal(kc[b, :, :l], k_cache[b, :, :l])
+    np.testing.assert_array_equal(kc[b, :, l + T:], k_cache[b, :, l + T:])
+
+
+def check_caches(kc, vc, kc_ref, vc_ref, args, exact_k):
+  """The kernel's caches vs the reference's: the v rows and every row outside
+  the T written ones bit-exact; the roped k rows bit-exact in bf16 and to an
+  f32 rounding in f32 (XLA and Triton may contract x * cos + rot * sin into
+  an FMA, differently per compilation: jit vs eager reference differ alike)."""
+  _, _, _, k_cache, v_cache, L, _, _ = args
+  T = args[1].shape[1]
+  kc_ref = np.asarray(kc_ref, np.float32)
+  rows = np.stack([kc_ref[b, :, l:l + T] for b, l in enumerate(np.asarray(L))])
+  assert_written(kc, k_cache, rows.transpose(0, 2, 1, 3), L,
+                 rtol=0 if exact_k else 1e-6)
+  np.testing.assert_array_equal(np.asarray(vc, np.float32),
+                                np.asarray(vc_ref, np.float32))
+
+
+# lengths for n_sink=4, n_window=16, S=64: L < n_sink, L == 0,
+# n_sink <= L < n_sink + n_window, L == n_sink + n_window, L >> both.
+LENGTHS = [[2, 11, 45], [0, 4, 20], [3, 19, 61]]
+
+
+@pytest.mark.parametrize("T", [1, 2])
+@pytest.mark.parametrize("lengths", LENGTHS)
+def test_reference_equals_composition(T, lengths):
+  D = 32 if T == 2 else 16
+  args = make_case(0, 3, T, 4, 2, 64, D, lengths)
+  out, kc, vc = window_attention_reference(*args, n_sink=4, n_window=16)
+  ref, kc_ref, vc_ref = composition(*args, 4, 16)
+  np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
+  np.testing.assert_array_equal(kc, kc_ref)
+  np.testing.assert_array_equal(vc, vc_ref)
+  q, k_new, v_new, k_cache, v_cache, L, cos, sin = args
+  from dustin_jax.models.decoder import apply_rope
+  kr = apply_rope(k_new, jnp.concatenate([cos, cos], -1),
+                  jnp.concatenate([sin, sin], -1))
+  assert_written(kc, k_cache, kr, L)
+  assert_written(vc, v_cache, v_new, L)
+  assert np.isfinite(np.asarray(out)).all()
+
+
+def test_reference_edge_budgets():
+  # no sink, no window: each query sees the block only; sink only; window only
+  args = make_case(1, 3, 2, 4, 2, 64, 16, [0, 7, 40])
+  for n_sink, n_window in [(0, 0), (5, 0), (0, 9), (8, 8)]:
+    out, kc, vc = window_attention_reference(*args, n_sink=n_sink,
+                                             n_window=n_window)
+    ref, kc_ref, _ = composition(*args, n_sink, n_window)
+    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(kc, kc_ref)
+
+
+def test_reference_bf16_equals_composition():
+  args = make_case(2, 3, 2, 8, 2, 64, 32, [2, 11, 45], jnp.bfloat16)
+  out, kc, vc = window_attention_reference(*args, n_sink=4, n_window=16)
+  ref, kc_ref, vc_ref = composition(*args, 4, 16)
+  assert out.dtype == jnp.bfloat16
+  assert rel_err(out, ref) < 1e-6
+  np.testing.assert_array_equal(np.asarray(kc, np.float32),
+                                np.asarray(kc_ref, np.float32))
+  np.testing.assert_array_equal(np.asarray(vc, np.float32),
+                                np.asarray(vc_ref, np.float32))
+
+
+def test_auto_dispatch_and_errors():
+  args = make_case(3, 2, 1, 4, 2, 32, 16, [5, 9])
+  got = ops.window_attention(*args, n_sink=2, n_window=4)
+  want = window_attention_reference(*args, n_sink=2, n_window=4)
+  for a, b in zip(got, want):
+    np.testing.assert_array_equal(a, b)
+  q, k_new, v_new, k_cache, v_cache, L, cos, sin = args
+  with pytest.raises(ValueError, match="cos, sin"):
+    ops.window_attention(q, k_new, v_new, k_cache, v_cache, L, cos[..., :4],
+                         sin, n_sink=2, n_window=4, impl="reference")
+  with pytest.raises(ValueError, match="dtype"):
+    ops.window_attention(q, k_new, v_new, k_cache.astype(jnp.bfloat16),
+                         v_cache, L, cos, sin, n_sink=2, n_window=4)
+  odd = make_case(3, 2, 1, 4, 2, 32, 24, [5, 9])
+  with pytest.raises(ValueError, match="power of two"):
+    ops.window_attention(*odd, n_sink=2, n_window=4, impl="gpu",
+                         interpret=True)
+
+
+# (T, Hq, Hkv, D, lengths, n_sink, n_window, dtype, tuning)
+GPU_CASES = [
+    (1, 4, 2, 16, [2, 11, 45], 4, 16, jnp.float32, {}),
+    (2, 4, 2, 32, [0, 4, 20], 4, 16, jnp.float32, {}),
+    (2, 4, 2, 32, [3, 19, 61], 4, 16, jnp.bfloat16, {}),
+    # G = 7, T = 3 (21 rows -> M = 32); n_sink not a power of two; a window
+    # of 40 rows in tiles of 16 (the last one partial)
+    (3, 14, 2, 16, [1, 30, 58], 5, 40, jnp.float32, dict(block_w=16)),
+    # sink only / window only
+    (2, 4, 2, 16, [2, 11, 45], 6, 0, jnp.float32, {}),
+    (2, 4, 1, 16, [2, 11, 45], 0, 24, jnp.bfloat16, dict(block_w=16)),
+]
+
+
+@pytest.mark.parametrize("case", GPU_CASES)
+def test_gpu_kernel_interpret(case):
+  T, Hq, Hkv, D, lengths, n_sink, n_window, dtype, tuning = case
+  args = make_case(4, 3, T, Hq, Hkv, 64, D, lengths, dtype)
+  out, kc, vc = ops.window_attention(*args, n_sink=n_sink, n_window=n_window,
+                                     impl="gpu", interpret=True, **tuning)
+  ref, kc_ref, vc_ref = window_attention_reference(
+      *args, n_sink=n_sink, n_window=n_window)
+  assert out.shape == args[0].shape and out.dtype == dtype
+  assert kc.dtype == dtype and vc.dtype == dtype
+  assert rel_err(out, ref) < (1e-5 if dtype == jnp.float32 else 2e-2)
+  check_caches(kc, vc, kc_ref, vc_ref, args, exact_k=dtype == jnp.bfloat16)
+
+
+def test_gpu_kernel_interpret_under_jit_donated():
+  # Traced lengths; the caches donated (aliased outputs may reuse them).
+  args = make_case(5, 3, 2, 4, 2, 64, 16, [2, 11, 45])
+  ref = window_attention_reference(*args, n_sink=4, n_window=16)
+  f = jax.jit(lambda *a: ops.window_attention(*a, n_sink=4, n_window=16,
+                                              impl="gpu", interpret=True),
+              donate_argnums=(3, 4))
+  q, k_new, v_new, k_cache, v_cache = args[:5]
+  out, kc, vc = f(q, k_new, v_new, k_cache + 0, v_cache + 0, *args[5:])
+  assert rel_err(out, ref[0]) < 1e-5
+  check_caches(kc, vc, ref[1], ref[2], args, exact_k=False)
+
+
+# ---------------------------------------------------------------- real GPU
+gpu_only = pytest.mark.skipif(not ON_GPU, reason="needs a GPU")
+
+
+@gpu_only
+@pytest.mark.parametrize("T", [1, 2])
+@pytest.mark.parametrize("Hq,Hkv", [(14, 2), (32, 8)])
+def test_gpu_kernel_compiled_draft_shapes(T, Hq, Hkv):
+  # the draft models' layer shapes, the default 16 sink + 496 window rows
+  args = make_case(6, 4, T, Hq, Hkv, 2048, 64, [2000, 5, 300, 1000],
+                   jnp.bfloat16)
+  ref, kc_ref, vc_ref = window_attention_reference(*args, n_sink=16,
+                                                   n_window=496)
+  out, kc, vc = ops.window_attention(*args, n_sink=16, n_window=496)
+  assert rel_err(out, ref) < 2e-2
+  # RoPE'd rows: the compiled kernel may contract mul + add into an FMA
+  np.testing.assert_allclose(np.asarray(kc, np.float32),
+                             np.asarray(kc_ref, np.float32), rtol=1e-2,
+                             atol=1e-2)
+  np.testing.assert_array_equal(np.asarray(vc, np.float32),
+                                np.asarray(vc_ref, np.float32))
