@@ -43,7 +43,10 @@ flags.DEFINE_list("models", ["qwen2.5-7b", "llama3-8b", "qwen2.5-72b"], "layer s
 flags.DEFINE_list("contexts", ["32768", "16384", "8192"], "context lengths")
 flags.DEFINE_list("batches", ["16", "8", "1"], "batch sizes")
 flags.DEFINE_list("budgets", ["256", "512", "1024", "2048"], "sparse budgets K")
-flags.DEFINE_list("kernels", ["decode", "sparse", "xla", "srh"], "which kernels")
+KERNELS = ("decode", "sparse", "xla", "srh")
+flags.DEFINE_list("kernels", list(KERNELS), f"which kernels, of {', '.join(KERNELS)}")
+flags.register_validator("kernels", lambda ks: set(ks) <= set(KERNELS),
+                         f"--kernels takes names of {', '.join(KERNELS)}")
 flags.DEFINE_list("budget_shapes", [], "'ctx:batch' pairs where sparse_verify runs every "
                   "budget, elsewhere only 512 (default: the largest context x batch)")
 flags.DEFINE_list("srh_models", ["qwen2.5-7b"], "models for the srh estimate")

@@ -71,3 +71,13 @@ def test_parse_device_times_unions_gpu_stream_kernels():
       ev, ["a", "b"], [1, 2])
   assert abs(busy_a - 0.035) < 1e-9 and abs(span_a - 0.060) < 1e-9
   assert abs(busy_b - 0.015) < 1e-9 and abs(span_b - 0.015) < 1e-9
+
+
+def test_unknown_kernel_name_is_refused(tmp_path):
+  root = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
+  env = dict(os.environ, PYTHONPATH=root, JAX_PLATFORMS="cpu")
+  proc = subprocess.run(
+      [sys.executable, "-m", "scripts.bench_attention", "--smoke", "--kernels=decode,jax_gqa",
+       f"--out_dir={tmp_path}"], cwd=root, env=env, capture_output=True, text=True, timeout=120)
+  assert proc.returncode != 0 and "--kernels takes names of decode, sparse" in proc.stderr
+  assert not (tmp_path / "attention.json").exists()
