@@ -232,7 +232,6 @@ class _Reader:
     from gguf import GGMLQuantizationType
     from gguf.constants import GGML_QUANT_SIZES
 
-    self.path = path
     with open(path, "rb") as f:
       self._buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
     self._pos = 0

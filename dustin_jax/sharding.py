@@ -47,8 +47,8 @@ RULES = {
 # `gate_up_columns`): qkv_proj per KV head (its query heads, k, v), gate_up_proj
 # per MLP unit (gate, up), so an even split of the columns over the model axis
 # gives each device whole groups whenever the KV heads (the units) divide
-# (when they do not, the split cuts groups and XLA gathers the GEMM's output,
-# as it did for q/k/v split mid-head: the attention then runs replicated).
+# (when they do not, the split cuts groups, XLA gathers the GEMM's output and
+# the attention runs replicated).
 _PARAM_AXES = {
     ("qkv_proj", "kernel"): ("embed", "kv_heads"), ("qkv_proj", "bias"): ("kv_heads",),
     ("o_proj", "kernel"): ("heads", "embed"), ("o_proj", "bias"): ("embed",),
