@@ -13,8 +13,8 @@ Attention reads the KV cache through `kernels/`: the full cache
 plus the new block (`sparse_verify`) -- the seam the selection policies use --
 or, when `window` is given, only an attention-sink prefix and a recent window
 plus the block (`window_attention`: a streaming draft; the kernel also applies
-RoPE and writes the block's rows, so a draft layer-pass's attention is one
-kernel).
+RoPE and writes the block's rows). A streaming draft's projections run with
+their neighbours fused (`skinny_matmul`), so its layer-pass is five kernels.
 """
 
 from __future__ import annotations
@@ -27,50 +27,72 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from dustin_jax import sharding
 from dustin_jax.cache import KVCache, write_rows
 from dustin_jax.config import ModelConfig, rope_inv_freq
 from kernels.decode_attention.ops import decode_attention
+from kernels.skinny_matmul.ops import skinny_matmul
 from kernels.sparse_verify.ops import sparse_verify
 from kernels.window_attention.ops import window_attention
 
 
-def attention(q, k, v, k_cache, v_cache, lengths, kv_indices, impl, mesh, window=None,
-              rope=None):
+def attention(q, k, v, k_cache, v_cache, lengths, kv_indices, impl, mesh):
   """Write the block's rows `k, v [B, T, Hkv, D]` into the caches at
-  `lengths`, then attention of `q` over the full cache, the `kv_indices`
-  rows, or (with `window = (n_sink, n_window)`) the sink and window rows,
-  each plus the block. With `window`, q and k come before RoPE and `rope =
-  (cos, sin)` [B, T, D] is applied in the kernel. Returns (out, k_cache,
-  v_cache). Under a mesh both run per device on its own batch rows and KV
-  heads (`shard_map`): no KV row leaves its device, and the cache write is
-  a local scatter (split by XLA's partitioner, the scatter gathered its
-  updates and indices across devices at every layer)."""
-  def local(q, k, v, k_cache, v_cache, lengths, *extra):
-    if window is not None:
-      cos, sin = (x[..., :x.shape[-1] // 2] for x in extra)  # the halves repeat
-      return window_attention(q, k, v, k_cache, v_cache, lengths, cos, sin, n_sink=window[0],
-                              n_window=window[1], impl=impl)
+  `lengths`, then attention of `q` over the full cache or only the
+  `kv_indices` rows, each plus the block. Returns (out, k_cache, v_cache).
+  Under a mesh both run per device on its own batch rows and KV heads
+  (`shard_map`): no KV row leaves its device, and the cache write is a local
+  scatter (split by XLA's partitioner, the scatter gathered its updates and
+  indices across devices at every layer)."""
+  def local(q, k, v, k_cache, v_cache, lengths, *indices):
     k_cache, v_cache = write_rows(k_cache, k, lengths), write_rows(v_cache, v, lengths)
-    if extra:
-      return sparse_verify(q, k_cache, v_cache, lengths, extra[0], impl=impl), k_cache, v_cache
+    if indices:
+      return sparse_verify(q, k_cache, v_cache, lengths, indices[0], impl=impl), k_cache, v_cache
     return decode_attention(q, k_cache, v_cache, lengths, impl=impl), k_cache, v_cache
   if impl == "auto" and q.shape[1] > 16:
     impl = "reference"  # the Pallas kernels serve short verify blocks; prefill chunks use XLA
-  extra = rope if window is not None else (() if kv_indices is None else (kv_indices,))
-  args = (q, k, v, k_cache, v_cache, lengths) + tuple(extra)
+  indices = () if kv_indices is None else (kv_indices,)
+  args = (q, k, v, k_cache, v_cache, lengths) + indices
   if mesh is None:
     return local(*args)
-  from dustin_jax import sharding
-  q_spec = sharding.heads_spec(q.shape[2], mesh)
-  kv_spec = sharding.cache_spec(k_cache.shape[1], mesh)
-  if (q_spec[2] is None) != (kv_spec[1] is None):  # heads must stay aligned with their KV head
-    q_spec, kv_spec = sharding.heads_spec(1, mesh), sharding.cache_spec(1, mesh)
+  q_spec, kv_spec = _head_specs(q.shape[2], k_cache.shape[1], mesh)
   rows_spec = P(kv_spec[0], None, kv_spec[1], None)  # [B, T, Hkv, D] like the cache
-  extra_specs = ((P(kv_spec[0], None, None),) * 2 if window is not None  # cos, sin
-                 else (sharding.batch_spec(2),) * len(extra))          # kv_indices
-  specs = (q_spec, rows_spec, rows_spec, kv_spec, kv_spec, sharding.batch_spec(1)) + extra_specs
+  specs = ((q_spec, rows_spec, rows_spec, kv_spec, kv_spec, sharding.batch_spec(1))
+           + (sharding.batch_spec(2),) * len(indices))
   return jax.shard_map(local, mesh=mesh, in_specs=specs,
                        out_specs=(q_spec, kv_spec, kv_spec), check_vma=False)(*args)
+
+
+def streaming_attention(qkv, k_cache, v_cache, lengths, cos, sin, window, impl, mesh):
+  """Attention of a streaming draft's block: RoPE, both cache writes and
+  attention over the sink and window rows plus the block, one kernel
+  (`window_attention`), from the packed projection `qkv [B, T, Hkv, G + 2,
+  D]` before RoPE; `cos, sin [B, T, D]`. Returns (out [B, T, Hq, D],
+  k_cache, v_cache), per device under a mesh as `attention`."""
+  def local(qkv, k_cache, v_cache, lengths, cos, sin):
+    cos, sin = (x[..., :x.shape[-1] // 2] for x in (cos, sin))  # the halves repeat
+    return window_attention(qkv, k_cache, v_cache, lengths, cos, sin, n_sink=window[0],
+                            n_window=window[1], impl=impl)
+  args = (qkv, k_cache, v_cache, lengths, cos, sin)
+  if mesh is None:
+    return local(*args)
+  b, t, g, r2, hd = qkv.shape
+  q_spec, kv_spec = _head_specs(g * (r2 - 2), g, mesh)
+  qkv_spec = P(kv_spec[0], None, kv_spec[1], None, None)
+  table_spec = P(kv_spec[0], None, None)
+  specs = (qkv_spec, kv_spec, kv_spec, sharding.batch_spec(1), table_spec, table_spec)
+  return jax.shard_map(local, mesh=mesh, in_specs=specs,
+                       out_specs=(q_spec, kv_spec, kv_spec), check_vma=False)(*args)
+
+
+def _head_specs(num_heads, num_kv_heads, mesh):
+  """Specs of queries [B, T, Hq, D] and caches [B, Hkv, S, D] that keep each
+  query head on the device of its KV head."""
+  q_spec = sharding.heads_spec(num_heads, mesh)
+  kv_spec = sharding.cache_spec(num_kv_heads, mesh)
+  if (q_spec[2] is None) != (kv_spec[1] is None):  # heads must stay aligned with their KV head
+    q_spec, kv_spec = sharding.heads_spec(1, mesh), sharding.cache_spec(1, mesh)
+  return q_spec, kv_spec
 
 _INIT = nnx.initializers.normal(0.02)
 
@@ -213,16 +235,49 @@ class Block(nnx.Module):
 
   def __call__(self, x, cos, sin, k_cache, v_cache, lengths, kv_indices, impl, mesh,
                window=None):
-    if window is None:
-      q, k, v = self.qkv(x, cos, sin)
-      out, k_cache, v_cache = attention(q, k, v, k_cache, v_cache, lengths, kv_indices, impl,
-                                        mesh)
-      return self.finish(x, out), k_cache, v_cache, q
-    q, k, v = self.self_attn.qkv(self.input_layernorm(x))  # RoPE in the kernel
-    out, k_cache, v_cache = attention(q, k, v, k_cache, v_cache, lengths, None, impl, mesh,
-                                      window=window, rope=(cos, sin))
+    if window is not None:
+      return self.streaming_call(x, cos, sin, k_cache, v_cache, lengths, impl, mesh, window)
+    q, k, v = self.qkv(x, cos, sin)
+    out, k_cache, v_cache = attention(q, k, v, k_cache, v_cache, lengths, kv_indices, impl, mesh)
+    return self.finish(x, out), k_cache, v_cache, q
+
+  def streaming_call(self, x, cos, sin, k_cache, v_cache, lengths, impl, mesh, window):
+    """The layer over a streaming cache (a draft pass): five kernels on one
+    device -- each projection with its neighbours (`skinny_matmul`: the
+    RMSNorm before q/k/v and gate/up, the bias, SiLU x up, the residual adds)
+    and the attention (`streaming_attention`). Under a mesh XLA partitions
+    the projections (a Pallas call is not partitioned)."""
+    b, t, d = x.shape
+    attn, mlp = self.self_attn, self.mlp
+    g, hd = attn.num_kv_heads, attn.head_dim
+    r = attn.num_heads // g
+    rows = x.reshape(b * t, d)
+    if mesh is None:
+      qkv = _fused(attn.qkv_proj, rows, impl, norm=self.input_layernorm)
+    else:
+      qkv = attn.qkv_proj(self.input_layernorm(x))
+    qkv = qkv.reshape(b, t, g, r + 2, hd)
+    out, k_cache, v_cache = streaming_attention(qkv, k_cache, v_cache, lengths, cos, sin, window,
+                                                impl, mesh)
+    if mesh is None:
+      h = _fused(attn.o_proj, out.reshape(b * t, -1), impl, residual=rows)
+      up = _fused(mlp.gate_up_proj, h, impl, norm=self.post_attention_layernorm, glu=True)
+      x = _fused(mlp.down_proj, up, impl, residual=h).reshape(b, t, d)
+    else:
+      x = self.finish(x, out)
     # the roped queries only where a caller taps them (XLA drops them elsewhere)
-    return self.finish(x, out), k_cache, v_cache, apply_rope(q, cos, sin)
+    q = qkv[:, :, :, :r].reshape(b, t, attn.num_heads, hd)
+    return x, k_cache, v_cache, apply_rope(q, cos, sin)
+
+
+def _fused(linear: Linear, x, impl, *, norm: RMSNorm | None = None, glu=False, residual=None):
+  """`linear` of rows `x` [M, d_in] with its neighbours in one kernel: the
+  same arithmetic as `residual + act(linear(norm(x)))` (`skinny_matmul`)."""
+  bias = None if linear.bias is None else linear.bias[...]
+  if norm is None:
+    return skinny_matmul(x, linear.kernel[...], bias=bias, glu=glu, residual=residual, impl=impl)
+  return skinny_matmul(x, linear.kernel[...], norm_weight=norm.weight[...], eps=norm.eps,
+                       bias=bias, glu=glu, residual=residual, impl=impl)
 
 
 def run_block(layer: Block, *args, impl, mesh, window=None):

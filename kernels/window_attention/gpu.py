@@ -2,9 +2,14 @@
 lowering: one kernel for the draft's attention of one layer-pass.
 
 Grid (B, Hkv).  Program (b, h), with L = lengths[b]:
-  * loads the q rows of the G query heads of KV head h times the T tokens as
-    the M rows of one tile (row r = t * G + g, padded to a power of two >= 16
-    for the tensor-core dots), and the T rows of k_new / v_new of head h;
+  * loads, from the packed qkv [B, T, Hkv, G + 2, D] (the fused projection's
+    output, passed once as its free [B, T * Hkv * (G + 2), D] view, so no
+    slice of q, k or v is materialized before the call), the q rows of the G
+    query heads of KV head h times the T tokens as the M rows of one tile
+    (tile row r = t * G + g, padded to a power of two >= 16 for the
+    tensor-core dots; input row (t * Hkv + h) * (G + 2) + g), and the T rows
+    of k_new / v_new of head h (input rows (t * Hkv + h) * (G + 2) + G and
+    that + 1);
   * applies RoPE in f32 in registers to q and k_new: x * cos + rot(x) * sin
     with rot(x) = [-x2, x1] read as a second, column-permuted load of the same
     rows (no in-register shuffle), cast back to the input dtype;
@@ -60,8 +65,14 @@ from kernels import common, gpu_common
 from kernels.window_attention.reference import check_shapes
 
 
-def _kernel(len_ref, q_ref, kn_ref, vn_ref, cos_ref, sin_ref, kc_ref, vc_ref,
-            out_ref, kc_out, vc_out, *, T, G, Hq, Hkv, M, TB, D, S, n_sink, NS,
+def qkv_row(t, h, c, Hkv: int, G: int):
+  """Row of token t, KV head h, slot c (query head g < G, G: k, G + 1: v) in
+  the [B, T * Hkv * (G + 2), D] view of the packed qkv."""
+  return (t * Hkv + h) * (G + 2) + c
+
+
+def _kernel(len_ref, qkv_ref, cos_ref, sin_ref, kc_ref, vc_ref, out_ref,
+            kc_out, vc_out, *, T, G, Hq, Hkv, M, TB, D, S, n_sink, NS,
             n_window, BW, scale_log2):
   b = pl.program_id(0)
   h = pl.program_id(1)
@@ -102,14 +113,20 @@ def _kernel(len_ref, q_ref, kn_ref, vn_ref, cos_ref, sin_ref, kc_ref, vc_ref,
     s = jnp.where(ok[None, :], s, -jnp.inf)
     return gpu_common.softmax_update(o, m, l, s, v, guard_empty=False)
 
-  # The q, block and sink loads are all issued before any math.
-  t_r, row_ok, qrow = gpu_common.packed_rows(M, G, T, Hq, h)
-  q_in = load_rope_inputs(q_ref, qrow, jnp.where(row_ok, t_r, 0), row_ok)
+  # The q, block and sink loads are all issued before any math.  Masked
+  # load rows point at row 0: in range, and a masked load yields `other`.
+  t_r, row_ok, orow = gpu_common.packed_rows(M, G, T, Hq, h)
+  g_r = jnp.arange(M, dtype=jnp.int32) % G
+  tok_r = jnp.where(row_ok, t_r, 0)
+  qrow = jnp.where(row_ok, qkv_row(tok_r, h, g_r, Hkv, G), 0)
+  q_in = load_rope_inputs(qkv_ref, qrow, tok_r, row_ok)
   j = jnp.arange(TB, dtype=jnp.int32)
   blk_ok = j < T
-  nrow = jnp.where(blk_ok, j * Hkv + h, 0)
-  kn_in = load_rope_inputs(kn_ref, nrow, jnp.where(blk_ok, j, 0), blk_ok)
-  vn = plt.load(vn_ref.at[b, nrow[:, None], cols[None, :]],
+  tok_j = jnp.where(blk_ok, j, 0)
+  krow = jnp.where(blk_ok, qkv_row(tok_j, h, G, Hkv, G), 0)
+  kn_in = load_rope_inputs(qkv_ref, krow, tok_j, blk_ok)
+  vrow = jnp.where(blk_ok, krow + 1, 0)
+  vn = plt.load(qkv_ref.at[b, vrow[:, None], cols[None, :]],
                 mask=blk_ok[:, None], other=0.0)
   if n_sink:
     sink_pos = jnp.arange(NS, dtype=jnp.int32)
@@ -136,7 +153,7 @@ def _kernel(len_ref, q_ref, kn_ref, vn_ref, cos_ref, sin_ref, kc_ref, vc_ref,
     carry = lax.fori_loop(0, pl.cdiv(jnp.maximum(L - w0, 0), BW), step, carry)
 
   o, m, l = carry
-  plt.store(out_ref.at[b, qrow[:, None], cols[None, :]],
+  plt.store(out_ref.at[b, orow[:, None], cols[None, :]],
             (o / l[:, None]).astype(out_ref.dtype), mask=row_ok[:, None])
   # Masked rows point past the cache (row S), never at a live row: interpret
   # mode discharges a masked store as a scatter of old-or-new values, where
@@ -158,11 +175,11 @@ def default_tuning(n_window):
   return dict(block_w=block_w, num_warps=4, num_stages=3)
 
 
-def window_attention_gpu(q, k_new, v_new, k_cache, v_cache, lengths, cos, sin,
-                         *, n_sink, n_window, scale=None, interpret=False,
-                         block_w=None, num_warps=None, num_stages=None):
-  B, T, Hq, D, Hkv, S = check_shapes(q, k_new, v_new, k_cache, v_cache,
-                                     lengths, cos, sin, n_sink, n_window)
+def window_attention_gpu(qkv, k_cache, v_cache, lengths, cos, sin, *, n_sink,
+                         n_window, scale=None, interpret=False, block_w=None,
+                         num_warps=None, num_stages=None):
+  B, T, Hq, D, Hkv, S = check_shapes(qkv, k_cache, v_cache, lengths, cos, sin,
+                                     n_sink, n_window)
   n_sink, n_window = int(n_sink), int(n_window)
   tune = default_tuning(n_window)
   block_w = block_w or tune["block_w"]
@@ -183,15 +200,14 @@ def window_attention_gpu(q, k_new, v_new, k_cache, v_cache, lengths, cos, sin,
   out, k_cache, v_cache = pl.pallas_call(
       kernel,
       grid=(B, Hkv),
-      out_shape=[jax.ShapeDtypeStruct((B, T * Hq, D), q.dtype),
+      out_shape=[jax.ShapeDtypeStruct((B, T * Hq, D), qkv.dtype),
                  jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
                  jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype)],
-      input_output_aliases={6: 1, 7: 2},
+      input_output_aliases={4: 1, 5: 2},
       compiler_params=plt.CompilerParams(num_warps=num_warps,
                                          num_stages=num_stages),
       interpret=interpret,
       name="window_attention",
-  )(lengths.astype(jnp.int32), q.reshape(B, T * Hq, D),
-    k_new.reshape(B, T * Hkv, D), v_new.reshape(B, T * Hkv, D),
+  )(lengths.astype(jnp.int32), qkv.reshape(B, T * Hkv * (G + 2), D),
     cos.astype(jnp.float32), sin.astype(jnp.float32), k_cache, v_cache)
   return out.reshape(B, T, Hq, D), k_cache, v_cache

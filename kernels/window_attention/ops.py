@@ -6,14 +6,18 @@ from kernels.window_attention.gpu import window_attention_gpu
 from kernels.window_attention.reference import window_attention_reference
 
 
-def window_attention(q, k_new, v_new, k_cache, v_cache, lengths, cos, sin, *,
-                     n_sink, n_window, scale=None, impl="auto",
-                     interpret=False, **tuning):
+def window_attention(qkv, k_cache, v_cache, lengths, cos, sin, *, n_sink,
+                     n_window, scale=None, impl="auto", interpret=False,
+                     **tuning):
   """RoPE, cache write and sink + window + block attention of one layer-pass.
 
   Args:
-    q: [B, T, Hq, D]; k_new, v_new: [B, T, Hkv, D] -- q and k before RoPE.
-    k_cache, v_cache: [B, Hkv, S, D], q's dtype (bf16 or f32).
+    qkv: [B, T, Hkv, G + 2, D], G = Hq // Hkv: the new block's q, k_new and
+      v_new packed per KV head h (the layout of the model's fused qkv
+      projection): qkv[:, :, h, :G] are the query heads h * G .. h * G + G - 1,
+      qkv[:, :, h, G] is k_new and qkv[:, :, h, G + 1] v_new of head h.  q and
+      k before RoPE.
+    k_cache, v_cache: [B, Hkv, S, D], qkv's dtype (bf16 or f32).
     lengths: int32[B] context rows already in the cache; the T new rows go to
       lengths[b] .. lengths[b] + T - 1, all < S (caller's guarantee).
     cos, sin: [B, T, D // 2] f32 RoPE tables of those positions (rotate-half:
@@ -30,15 +34,15 @@ def window_attention(q, k_new, v_new, k_cache, v_cache, lengths, cos, sin, *,
     **tuning: gpu: block_w (window tile rows, a power of two >= 16),
       num_warps, num_stages.  Ignored by the reference.
   Returns:
-    (out [B, T, Hq, D] in q's dtype, k_cache, v_cache) with the roped k rows
+    (out [B, T, Hq, D] in qkv's dtype, k_cache, v_cache) with the roped k rows
     and the v rows written.  The gpu kernel updates the caches in place
     (aliased outputs) when their buffers are donated.
   """
   impl = common.resolve_impl(impl)
   if impl == "gpu":
-    return window_attention_gpu(q, k_new, v_new, k_cache, v_cache, lengths,
-                                cos, sin, n_sink=n_sink, n_window=n_window,
-                                scale=scale, interpret=interpret, **tuning)
-  return window_attention_reference(q, k_new, v_new, k_cache, v_cache,
-                                    lengths, cos, sin, n_sink=n_sink,
-                                    n_window=n_window, scale=scale)
+    return window_attention_gpu(qkv, k_cache, v_cache, lengths, cos, sin,
+                                n_sink=n_sink, n_window=n_window, scale=scale,
+                                interpret=interpret, **tuning)
+  return window_attention_reference(qkv, k_cache, v_cache, lengths, cos, sin,
+                                    n_sink=n_sink, n_window=n_window,
+                                    scale=scale)

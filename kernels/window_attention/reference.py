@@ -1,6 +1,11 @@
 """Pure-jnp window attention with the new rows written: the oracle and the
 fallback.
 
+The q, k_new, v_new of the T new tokens come packed as qkv [B, T, Hkv,
+G + 2, D] (G = Hq // Hkv; the layout of the model's fused q/k/v projection):
+qkv[:, :, h, :G] are the query heads h * G .. h * G + G - 1, qkv[:, :, h, G]
+is k_new and qkv[:, :, h, G + 1] is v_new of KV head h.
+
 For sequence b with L = lengths[b] context rows already in the cache:
   1. RoPE (rotate-half, f32, cast back to the input dtype) of q and k_new
      with the tables cos, sin of the T new positions;
@@ -60,12 +65,30 @@ def window_positions(lengths, n_sink, n_window, T):
   return pos, ok
 
 
-def check_shapes(q, k_new, v_new, k_cache, v_cache, lengths, cos, sin,
-                 n_sink, n_window):
-  B, T, Hq, D, Hkv, S = common.check_attention_shapes(q, k_cache, v_cache)
-  if k_new.shape != (B, T, Hkv, D) or v_new.shape != k_new.shape:
-    raise ValueError(f"k_new, v_new must be [B, T, Hkv, D] = {(B, T, Hkv, D)}; "
-                     f"got {k_new.shape}, {v_new.shape}")
+def unpack_qkv(qkv):
+  """(q [B, T, Hq, D], k_new [B, T, Hkv, D], v_new [B, T, Hkv, D]) of the
+  packed qkv [B, T, Hkv, G + 2, D]: per KV head h its G query heads (query
+  head h * G + g), then k, then v."""
+  B, T, Hkv, G2, D = qkv.shape
+  G = G2 - 2
+  return (qkv[:, :, :, :G].reshape(B, T, Hkv * G, D), qkv[:, :, :, G],
+          qkv[:, :, :, G + 1])
+
+
+def check_shapes(qkv, k_cache, v_cache, lengths, cos, sin, n_sink, n_window):
+  """Validates the arguments; returns (B, T, Hq, D, Hkv, S)."""
+  if qkv.ndim != 5 or k_cache.ndim != 4:
+    raise ValueError(f"qkv must be [B, T, Hkv, G + 2, D], k_cache [B, Hkv, S, "
+                     f"D]; got {qkv.shape}, {k_cache.shape}")
+  B, T, _, G2, D = qkv.shape
+  Hkv, S = k_cache.shape[1:3]
+  if k_cache.shape != (B, Hkv, S, D) or v_cache.shape != k_cache.shape:
+    raise ValueError(f"k_cache, v_cache must be [B, Hkv, S, D] with qkv's "
+                     f"B={B}, D={D}; got {k_cache.shape}, {v_cache.shape}")
+  if qkv.shape[2] != Hkv or G2 < 3:
+    raise ValueError(f"qkv must be [B, T, Hkv, G + 2, D] with the caches' "
+                     f"Hkv={Hkv} and G = Hq // Hkv >= 1; got {qkv.shape}")
+  Hq = Hkv * (G2 - 2)
   if D % 2:
     raise ValueError(f"head_dim {D} must be even (RoPE halves)")
   if cos.shape != (B, T, D // 2) or sin.shape != cos.shape:
@@ -73,19 +96,20 @@ def check_shapes(q, k_new, v_new, k_cache, v_cache, lengths, cos, sin,
                      f"got {cos.shape}, {sin.shape}")
   if lengths.shape != (B,):
     raise ValueError(f"lengths must be int32[B={B}], got {lengths.shape}")
-  if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
-    raise ValueError(f"caches ({k_cache.dtype}, {v_cache.dtype}) must have q's "
-                     f"dtype {q.dtype}")
+  if k_cache.dtype != qkv.dtype or v_cache.dtype != qkv.dtype:
+    raise ValueError(f"caches ({k_cache.dtype}, {v_cache.dtype}) must have "
+                     f"qkv's dtype {qkv.dtype}")
   if int(n_sink) < 0 or int(n_window) < 0:
     raise ValueError(f"n_sink={n_sink}, n_window={n_window} must be >= 0")
   return B, T, Hq, D, Hkv, S
 
 
-def window_attention_reference(q, k_new, v_new, k_cache, v_cache, lengths, cos,
-                               sin, *, n_sink, n_window, scale=None):
+def window_attention_reference(qkv, k_cache, v_cache, lengths, cos, sin, *,
+                               n_sink, n_window, scale=None):
   """Returns (out [B, T, Hq, D], k_cache, v_cache) with the rows written."""
-  B, T, Hq, D, Hkv, S = check_shapes(q, k_new, v_new, k_cache, v_cache,
-                                     lengths, cos, sin, n_sink, n_window)
+  B, T, Hq, D, Hkv, S = check_shapes(qkv, k_cache, v_cache, lengths, cos, sin,
+                                     n_sink, n_window)
+  q, k_new, v_new = unpack_qkv(qkv)
   G = Hq // Hkv
   scale = common.default_scale(D, scale)
   lengths = lengths.astype(jnp.int32)

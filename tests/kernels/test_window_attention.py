@@ -1,6 +1,7 @@
 """window_attention: the reference vs the model's composition (RoPE, cache
 write, sparse_verify over the sink + window indices); the Pallas GPU kernel
-(interpret mode on CPU) vs the reference."""
+(interpret mode on CPU) vs the reference.  The kernels take q, k_new, v_new
+packed as qkv [B, T, Hkv, G + 2, D]; the composition takes them apart."""
 import numpy as np
 import pytest
 
@@ -31,6 +32,33 @@ def make_case(seed, B, T, Hq, Hkv, S, D, lengths, dtype=jnp.float32):
   cast = lambda x: x.astype(dtype)
   return (cast(q), cast(k_new), cast(v_new), cast(k_cache), cast(v_cache), L,
           cos, sin)
+
+
+def pack(q, k_new, v_new):
+  """qkv [B, T, Hkv, G + 2, D] of q [B, T, Hq, D], k_new, v_new [B, T, Hkv,
+  D]: per KV head its G query heads, then k, then v."""
+  B, T, Hq, D = q.shape
+  Hkv = k_new.shape[2]
+  return jnp.concatenate([q.reshape(B, T, Hkv, Hq // Hkv, D),
+                          k_new[:, :, :, None], v_new[:, :, :, None]], axis=3)
+
+
+def packed(args):
+  """make_case's arguments with q, k_new, v_new packed into qkv."""
+  return (pack(*args[:3]),) + tuple(args[3:])
+
+
+def test_pack_is_the_fused_projection_layout():
+  # pack's qkv flattened over (Hkv, G + 2, D) is [q | k | v] in the column
+  # order of the model's qkv_proj, so its output reshapes to qkv for free
+  from dustin_jax.models.decoder import qkv_columns
+  B, T, Hq, Hkv, D = 2, 3, 14, 2, 8
+  q, k_new, v_new = (jax.random.normal(jax.random.PRNGKey(i), (B, T, h, D))
+                     for i, h in enumerate((Hq, Hkv, Hkv)))
+  flat = jnp.concatenate([x.reshape(B, T, -1) for x in (q, k_new, v_new)], -1)
+  np.testing.assert_array_equal(
+      pack(q, k_new, v_new).reshape(B, T, -1),
+      flat[..., qkv_columns(Hq, Hkv, D)])
 
 
 def composition(q, k_new, v_new, k_cache, v_cache, L, cos, sin, n_sink,
@@ -89,7 +117,8 @@ LENGTHS = [[2, 11, 45], [0, 4, 20], [3, 19, 61]]
 def test_reference_equals_composition(T, lengths):
   D = 32 if T == 2 else 16
   args = make_case(0, 3, T, 4, 2, 64, D, lengths)
-  out, kc, vc = window_attention_reference(*args, n_sink=4, n_window=16)
+  out, kc, vc = window_attention_reference(*packed(args), n_sink=4,
+                                           n_window=16)
   ref, kc_ref, vc_ref = composition(*args, 4, 16)
   np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
   np.testing.assert_array_equal(kc, kc_ref)
@@ -107,7 +136,7 @@ def test_reference_edge_budgets():
   # no sink, no window: each query sees the block only; sink only; window only
   args = make_case(1, 3, 2, 4, 2, 64, 16, [0, 7, 40])
   for n_sink, n_window in [(0, 0), (5, 0), (0, 9), (8, 8)]:
-    out, kc, vc = window_attention_reference(*args, n_sink=n_sink,
+    out, kc, vc = window_attention_reference(*packed(args), n_sink=n_sink,
                                              n_window=n_window)
     ref, kc_ref, _ = composition(*args, n_sink, n_window)
     np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
@@ -116,7 +145,8 @@ def test_reference_edge_budgets():
 
 def test_reference_bf16_equals_composition():
   args = make_case(2, 3, 2, 8, 2, 64, 32, [2, 11, 45], jnp.bfloat16)
-  out, kc, vc = window_attention_reference(*args, n_sink=4, n_window=16)
+  out, kc, vc = window_attention_reference(*packed(args), n_sink=4,
+                                           n_window=16)
   ref, kc_ref, vc_ref = composition(*args, 4, 16)
   assert out.dtype == jnp.bfloat16
   assert rel_err(out, ref) < 1e-6
@@ -130,24 +160,45 @@ def test_auto_dispatch_and_errors():
   """"auto" runs the reference off GPU (bit-equal) and the kernel on GPU
   (equal to rounding)."""
   args = make_case(3, 2, 1, 4, 2, 32, 16, [5, 9])
-  got = ops.window_attention(*args, n_sink=2, n_window=4)
-  want = window_attention_reference(*args, n_sink=2, n_window=4)
+  got = ops.window_attention(*packed(args), n_sink=2, n_window=4)
+  want = window_attention_reference(*packed(args), n_sink=2, n_window=4)
   for a, b in zip(got, want):
     if ON_GPU:
       np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
     else:
       np.testing.assert_array_equal(a, b)
-  q, k_new, v_new, k_cache, v_cache, L, cos, sin = args
+  qkv, k_cache, v_cache, L, cos, sin = packed(args)
   with pytest.raises(ValueError, match="cos, sin"):
-    ops.window_attention(q, k_new, v_new, k_cache, v_cache, L, cos[..., :4],
-                         sin, n_sink=2, n_window=4, impl="reference")
+    ops.window_attention(qkv, k_cache, v_cache, L, cos[..., :4], sin,
+                         n_sink=2, n_window=4, impl="reference")
   with pytest.raises(ValueError, match="dtype"):
-    ops.window_attention(q, k_new, v_new, k_cache.astype(jnp.bfloat16),
-                         v_cache, L, cos, sin, n_sink=2, n_window=4)
+    ops.window_attention(qkv, k_cache.astype(jnp.bfloat16), v_cache, L, cos,
+                         sin, n_sink=2, n_window=4)
   odd = make_case(3, 2, 1, 4, 2, 32, 24, [5, 9])
   with pytest.raises(ValueError, match="power of two"):
-    ops.window_attention(*odd, n_sink=2, n_window=4, impl="gpu",
+    ops.window_attention(*packed(odd), n_sink=2, n_window=4, impl="gpu",
                          interpret=True)
+
+
+@pytest.mark.parametrize("impl", ["reference", "gpu"])
+def test_wrongly_packed_qkv_raises(impl):
+  """qkv must be 5-D with the caches' Hkv on axis 2 and G + 2 >= 3 slots on
+  axis 3; the unpacked q, or qkv packed for another Hkv, is refused."""
+  q, k_new, v_new, k_cache, v_cache, L, cos, sin = make_case(
+      3, 2, 1, 4, 2, 32, 16, [5, 9])
+  rest = (k_cache, v_cache, L, cos, sin)
+  kw = dict(n_sink=2, n_window=4, impl=impl, interpret=True)
+  layout = r"qkv must be \[B, T, Hkv, G \+ 2, D\]"
+  # Hq = 4 packed for Hkv = 1 ([.., 1, 6, D]) against caches of Hkv = 2
+  with pytest.raises(ValueError, match=layout):
+    ops.window_attention(pack(q, k_new[:, :, :1], v_new[:, :, :1]), *rest,
+                         **kw)
+  # G = 0: k and v only
+  with pytest.raises(ValueError, match=r"Hkv=2 and G = Hq // Hkv >= 1"):
+    ops.window_attention(jnp.stack([k_new, v_new], axis=3), *rest, **kw)
+  # the unpacked q
+  with pytest.raises(ValueError, match=layout):
+    ops.window_attention(q, *rest, **kw)
 
 
 # (T, Hq, Hkv, D, lengths, n_sink, n_window, dtype, tuning)
@@ -168,10 +219,11 @@ GPU_CASES = [
 def test_gpu_kernel_interpret(case):
   T, Hq, Hkv, D, lengths, n_sink, n_window, dtype, tuning = case
   args = make_case(4, 3, T, Hq, Hkv, 64, D, lengths, dtype)
-  out, kc, vc = ops.window_attention(*args, n_sink=n_sink, n_window=n_window,
-                                     impl="gpu", interpret=True, **tuning)
+  out, kc, vc = ops.window_attention(*packed(args), n_sink=n_sink,
+                                     n_window=n_window, impl="gpu",
+                                     interpret=True, **tuning)
   ref, kc_ref, vc_ref = window_attention_reference(
-      *args, n_sink=n_sink, n_window=n_window)
+      *packed(args), n_sink=n_sink, n_window=n_window)
   assert out.shape == args[0].shape and out.dtype == dtype
   assert kc.dtype == dtype and vc.dtype == dtype
   assert rel_err(out, ref) < (1e-5 if dtype == jnp.float32 else 2e-2)
@@ -181,12 +233,12 @@ def test_gpu_kernel_interpret(case):
 def test_gpu_kernel_interpret_under_jit_donated():
   # Traced lengths; the caches donated (aliased outputs may reuse them).
   args = make_case(5, 3, 2, 4, 2, 64, 16, [2, 11, 45])
-  ref = window_attention_reference(*args, n_sink=4, n_window=16)
+  ref = window_attention_reference(*packed(args), n_sink=4, n_window=16)
   f = jax.jit(lambda *a: ops.window_attention(*a, n_sink=4, n_window=16,
                                               impl="gpu", interpret=True),
-              donate_argnums=(3, 4))
-  q, k_new, v_new, k_cache, v_cache = args[:5]
-  out, kc, vc = f(q, k_new, v_new, k_cache + 0, v_cache + 0, *args[5:])
+              donate_argnums=(1, 2))
+  qkv, k_cache, v_cache = packed(args)[:3]
+  out, kc, vc = f(qkv, k_cache + 0, v_cache + 0, *args[5:])
   assert rel_err(out, ref[0]) < 1e-5
   check_caches(kc, vc, ref[1], ref[2], args, exact_k=False)
 
@@ -202,9 +254,9 @@ def test_gpu_kernel_compiled_draft_shapes(T, Hq, Hkv):
   # the draft models' layer shapes, the default 16 sink + 496 window rows
   args = make_case(6, 4, T, Hq, Hkv, 2048, 64, [2000, 5, 300, 1000],
                    jnp.bfloat16)
-  ref, kc_ref, vc_ref = window_attention_reference(*args, n_sink=16,
+  ref, kc_ref, vc_ref = window_attention_reference(*packed(args), n_sink=16,
                                                    n_window=496)
-  out, kc, vc = ops.window_attention(*args, n_sink=16, n_window=496)
+  out, kc, vc = ops.window_attention(*packed(args), n_sink=16, n_window=496)
   assert rel_err(out, ref) < 2e-2
   # RoPE'd rows: the compiled kernel may contract mul + add into an FMA
   np.testing.assert_allclose(np.asarray(kc, np.float32),
