@@ -17,9 +17,10 @@ tensor-core dot; x is tiny and stays in L2) and the weight tile(s):
     of squares accumulated alongside; the row scale rsqrt(mean + eps) is
     applied to the f32 accumulator at the end (a row scale commutes with the
     product), so x is read once;
-  * glu: the gate and the up columns of the output tile are the even and odd
-    columns of ``w`` (read as two strided tiles of the same rows), two
-    accumulators, silu(gate) * up in f32 at the end;
+  * glu: the output tile's gate and up columns are 2 * block_n contiguous
+    columns of ``w`` (gate, up alternating), one accumulator, split into its
+    even and odd columns at the end by exact one-hot f32 dots, silu(gate) *
+    up in f32;
   * bias and residual added in f32 before the single rounding to the output
     dtype.
 With splits > 1 (no norm, no glu), each split stores its f32 partial product
@@ -75,7 +76,12 @@ def _load(ref_and_mask):
 
 def _kernel(*refs, M, MP, K, KS, N_out, BK, BN, glu, has_norm, has_bias,
             has_residual, eps, splits):
-  x_ref, w_ref, *extra, out_ref = refs
+  x_ref, w_ref, *extra = refs
+  if splits > 1:  # partial products (and row sums of squares): the caller finishes
+    out_ref, ss_ref = (extra[-2], extra[-1]) if has_norm else (extra[-1], None)
+    extra = extra[:-2] if has_norm else extra[:-1]
+  else:
+    out_ref, ss_ref = extra.pop(), None
   nw_ref = extra.pop(0) if has_norm else None
   b_ref = extra.pop(0) if has_bias else None
   r_ref = extra.pop(0) if has_residual else None
@@ -84,11 +90,13 @@ def _kernel(*refs, M, MP, K, KS, N_out, BK, BN, glu, has_norm, has_bias,
 
   rows, row_ok = _span(0, MP, M, M == MP)
   cols, col_ok = _span(j * BN, BN, N_out, N_out % BN == 0)
-  wcols = (2 * cols, 2 * cols + 1) if glu else (cols,)
+  # glu: the gate/up pairs of the output tile are 2 * BN contiguous columns
+  # of w (strided 2-byte loads would not be copied asynchronously)
+  wcols, wcol_ok = _span(j * BN * 2, BN * 2, 2 * N_out, N_out % BN == 0) if glu else (cols, col_ok)
   k_exact = K == splits * KS  # every K tile full
 
   def body(i, carry):
-    accs, ss = carry
+    acc, ss = carry
     ks, k_ok = _span(k0 + i * BK, BK, K, k_exact)
     xk = _load(_tile(x_ref, rows, row_ok, ks, k_ok))
     if has_norm:
@@ -96,22 +104,32 @@ def _kernel(*refs, M, MP, K, KS, N_out, BK, BN, glu, has_norm, has_bias,
       ss = ss + jnp.sum(xf * xf, axis=1)
       nw = plt.load(nw_ref.at[ks], mask=k_ok, other=None if k_ok is None else 0)
       xk = xk * nw[None, :]
-    accs = tuple(acc + gpu_common.dot(xk, _load(_tile(w_ref, ks, k_ok, c, col_ok)))
-                 for acc, c in zip(accs, wcols))
-    return accs, ss
+    acc = acc + gpu_common.dot(xk, _load(_tile(w_ref, ks, k_ok, wcols, wcol_ok)))
+    return acc, ss
 
-  init = (tuple(jnp.zeros((MP, BN), jnp.float32) for _ in wcols),
-          jnp.zeros((MP,), jnp.float32))
-  accs, ss = lax.fori_loop(0, KS // BK, body, init)
+  init = (jnp.zeros((MP, wcols.shape[0]), jnp.float32), jnp.zeros((MP,), jnp.float32))
+  y, ss = lax.fori_loop(0, KS // BK, body, init)
+  srows = jnp.arange(MP, dtype=jnp.int32)
+  if splits > 1:
+    s = pl.program_id(1)
+    ref, mask = _tile(out_ref, srows, row_ok, j * wcols.shape[0] + jnp.arange(
+        wcols.shape[0], dtype=jnp.int32), wcol_ok, (s,))
+    plt.store(ref, y, mask=mask)
+    if has_norm:
+      @pl.when(j == 0)
+      def _():
+        plt.store(ss_ref.at[s, srows], ss, mask=row_ok)
+    return
 
   if has_norm:
-    rstd = lax.rsqrt(ss / K + eps)
-    accs = tuple(a * rstd[:, None] for a in accs)
+    y = y * lax.rsqrt(ss / K + eps)[:, None]
   if glu:
-    gate, up = accs
+    # the even (gate) and odd (up) columns, picked by exact one-hot f32 dots
+    c = jnp.arange(2 * BN, dtype=jnp.int32)[:, None]
+    o = jnp.arange(BN, dtype=jnp.int32)[None, :]
+    gate = gpu_common.dot(y, (c == 2 * o).astype(jnp.float32))
+    up = gpu_common.dot(y, (c == 2 * o + 1).astype(jnp.float32))
     y = gate / (1.0 + jnp.exp(-gate)) * up
-  else:
-    (y,) = accs
   if has_bias:
     bias = plt.load(b_ref.at[cols], mask=col_ok, other=None if col_ok is None else 0)
     y = y + bias.astype(jnp.float32)[None, :]
@@ -120,14 +138,12 @@ def _kernel(*refs, M, MP, K, KS, N_out, BK, BN, glu, has_norm, has_bias,
   # masked rows and columns point past the end, never at a live element:
   # interpret mode discharges a masked store as a scatter, where a duplicate
   # index would race with the real write (out-of-bounds ones are dropped)
-  srows = jnp.arange(MP, dtype=jnp.int32)
   scols = j * BN + jnp.arange(BN, dtype=jnp.int32)
-  lead = (pl.program_id(1),) if splits > 1 else ()
-  ref, mask = _tile(out_ref, srows, row_ok, scols, col_ok, lead)
+  ref, mask = _tile(out_ref, srows, row_ok, scols, col_ok)
   plt.store(ref, y.astype(out_ref.dtype), mask=mask)
 
 
-def default_tuning(M, K, N, glu, fusable_split):
+def default_tuning(M, K, N, glu):
   """Tiles for M <= 64 rows: enough programs to cover the SMs, K tiles of
   128-256 rows, 4 weight tiles in flight."""
   n_out = N // 2 if glu else N
@@ -135,9 +151,8 @@ def default_tuning(M, K, N, glu, fusable_split):
   block_n = 32 if n_out // 32 >= common.num_sms() else 16
   splits = 1
   programs = common.cdiv(n_out, block_n)
-  if fusable_split:
-    while programs * splits * 2 <= 2 * common.num_sms() and K % (block_k * splits * 2) == 0:
-      splits *= 2
+  while programs * splits * 2 <= 2 * common.num_sms() and K >= block_k * splits * 2:
+    splits *= 2
   return dict(block_n=block_n, block_k=block_k, splits=splits, num_warps=4, num_stages=4)
 
 
@@ -145,8 +160,7 @@ def skinny_matmul_gpu(x, w, *, norm_weight=None, eps=1e-6, bias=None, glu=False,
                       residual=None, interpret=False, block_n=None, block_k=None,
                       splits=None, num_warps=None, num_stages=None):
   M, K, N, n_out = check_shapes(x, w, norm_weight, bias, glu, residual)
-  fusable_split = norm_weight is None and not glu
-  tune = default_tuning(M, K, N, glu, fusable_split)
+  tune = default_tuning(M, K, N, glu)
   block_n = block_n or tune["block_n"]
   block_k = block_k or tune["block_k"]
   splits = splits or tune["splits"]
@@ -155,23 +169,21 @@ def skinny_matmul_gpu(x, w, *, norm_weight=None, eps=1e-6, bias=None, glu=False,
   for name, v in (("block_n", block_n), ("block_k", block_k)):
     if v & (v - 1) or v < 16:
       raise ValueError(f"{name}={v} must be a power of two >= 16")
-  if splits > 1 and not fusable_split:
-    raise ValueError("splits > 1 needs a plain product (no norm, no glu)")
   MP = max(16, common.next_pow2(M))
   KS = common.round_up(common.cdiv(K, splits), block_k)
+  has_norm = norm_weight is not None
+  final = splits == 1
   kernel = functools.partial(
       _kernel, M=M, MP=MP, K=K, KS=KS, N_out=n_out, BK=block_k, BN=block_n, glu=glu,
-      has_norm=norm_weight is not None, has_bias=bias is not None and splits == 1,
-      has_residual=residual is not None and splits == 1, eps=float(eps), splits=splits)
-  operands = [x, w]
-  if norm_weight is not None:
-    operands.append(norm_weight.astype(x.dtype))
-  if bias is not None and splits == 1:
-    operands.append(bias)
-  if residual is not None and splits == 1:
-    operands.append(residual)
-  out_shape = (jax.ShapeDtypeStruct((splits, M, n_out), jnp.float32) if splits > 1
-               else jax.ShapeDtypeStruct((M, n_out), x.dtype))
+      has_norm=has_norm, has_bias=bias is not None and final,
+      has_residual=residual is not None and final, eps=float(eps), splits=splits)
+  operands = [x, w] + ([norm_weight.astype(x.dtype)] if has_norm else [])
+  if final:
+    operands += [a for a in (bias, residual) if a is not None]
+    out_shape = jax.ShapeDtypeStruct((M, n_out), x.dtype)
+  else:
+    out_shape = [jax.ShapeDtypeStruct((splits, M, N), jnp.float32)]
+    out_shape += [jax.ShapeDtypeStruct((splits, M), jnp.float32)] if has_norm else []
   out = pl.pallas_call(
       kernel,
       grid=(common.cdiv(n_out, block_n), splits),
@@ -180,11 +192,17 @@ def skinny_matmul_gpu(x, w, *, norm_weight=None, eps=1e-6, bias=None, glu=False,
       interpret=interpret,
       name="skinny_matmul",
   )(*operands)
-  if splits == 1:
+  if final:
     return out
-  y = jnp.sum(out, axis=0)
+  # the K splits' partial products, finished in one XLA fusion
+  y = jnp.sum(out[0], axis=0)
+  if has_norm:
+    y = y * jax.lax.rsqrt(jnp.sum(out[1], axis=0) / K + eps)[:, None]
   if bias is not None:
     y = y + bias.astype(jnp.float32)
+  if glu:
+    pairs = y.reshape(M, n_out, 2)
+    y = jax.nn.silu(pairs[..., 0]) * pairs[..., 1]
   if residual is not None:
     y = y + residual.astype(jnp.float32)
   return y.astype(x.dtype)
