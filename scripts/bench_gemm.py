@@ -17,7 +17,6 @@ from the profiler trace (`scripts.benchmarking.DeviceTimer`), else wall
 time. Writes gemm.json (records) and gemm.png.
 
   python -m scripts.bench_gemm --out_dir=results/h200
-  python -m scripts.bench_gemm --models=qwen7b --rows=16,32 --fused --out_dir=$OUT
   python -m scripts.bench_gemm --smoke --out_dir=/tmp/g   # CPU, tiny shapes
 """
 
@@ -34,7 +33,6 @@ import jax
 import jax.numpy as jnp
 
 from dustin_jax.config import ModelConfig, append_xla_flags
-from kernels.skinny_matmul.ops import skinny_matmul
 from scripts.benchmarking import (DeviceTimer, benchmark_pairs, compile_cache_from_flag, pyplot,
                                   save_figure, write_json)
 
@@ -45,9 +43,6 @@ flags.DEFINE_integer("ways", 1, "tensor-parallel ways: time one device's shard")
 flags.DEFINE_integer("flush_mb", 256, "weight bytes per timed jit (> L2: no cache reuse)")
 flags.DEFINE_integer("repeats", 5, "timed calls per measurement (median)")
 flags.DEFINE_string("xla_flags", "", "appended to XLA_FLAGS before jax starts")
-flags.DEFINE_bool("fused", False, "also the draft's projections with their neighbours fused")
-flags.DEFINE_list("fused_tunings", [], "skinny_matmul tiles to try, each "
-                  "block_n:block_k:num_warps:num_stages:splits")
 flags.DEFINE_bool("smoke", False, "tiny shapes (CPU)")
 FLAGS = flags.FLAGS
 
@@ -70,32 +65,6 @@ def projections(cfg, ways: int) -> dict[str, tuple[int, int]]:
           "gate_up": (d, 2 * f // ways),
           "down": (f // ways, d),
           "lm_head": (d, cfg.vocab_size // ways)}
-
-
-def fused_neighbours(cfg, proj: str) -> dict | None:
-  """What the model fuses with a draft projection (`Block.streaming_call`):
-  the flags of `skinny_matmul`, None for the LM head."""
-  return {"qkv": dict(norm=True, bias=cfg.qkv_bias), "o": dict(residual=True, bias=cfg.o_bias),
-          "gate_up": dict(norm=True, glu=True), "down": dict(residual=True)}.get(proj)
-
-
-def fused_operands(key, rows, k, n_out, norm=False, bias=False, glu=False, residual=False):
-  """The keyword operands of `skinny_matmul` for one fused projection."""
-  ks = jax.random.split(key, 3)
-  kw = dict(glu=glu)
-  if norm:
-    kw["norm_weight"] = jnp.ones((k,), jnp.bfloat16)
-  if bias:
-    kw["bias"] = jax.random.normal(ks[0], (n_out,), jnp.bfloat16)
-  if residual:
-    kw["residual"] = jax.random.normal(ks[1], (rows, n_out // 2 if glu else n_out), jnp.bfloat16)
-  return kw
-
-
-def tunings() -> list[dict]:
-  """The default tiles ({}), then each of --fused_tunings."""
-  names = ("block_n", "block_k", "num_warps", "num_stages", "splits")
-  return [{}] + [dict(zip(names, map(int, t.split(":")))) for t in FLAGS.fused_tunings]
 
 
 def main(argv):
@@ -154,49 +123,11 @@ def main(argv):
           records.append(rec)
           print(f"{name} {role:6s} {proj:8s} K={k:6d} N={n_out:6d} rows={rows:3d} "
                 f"{us:8.2f} us  {rec['bw_frac']:6.0%} of copy BW", flush=True)
-          if FLAGS.fused and role == "draft" and fused_neighbours(cfg, proj) is not None:
-            records += time_fused(timed, meta, name, cfg, proj, k, n_out, rows, xs, ws,
-                                  copy_tbs)
           del xs
         del ws
   write_json(out_json, records)
   save_plot(records, out_json.replace(".json", ".png"))
   print(f"wrote {out_json}")
-
-
-def time_fused(timed, meta, name, cfg, proj, k, n_out, rows, xs, ws, copy_tbs):
-  """Records of one draft projection with its neighbours: XLA's fusions of
-  the unfused ops ("xla") and the kernel at each tiling ("pallas")."""
-  flags_ = fused_neighbours(cfg, proj)
-  kws = [fused_operands(jax.random.key(i), rows, k, n_out, **flags_) for i in range(len(ws))]
-  glu = kws[0].pop("glu")
-  for kw in kws[1:]:
-    kw.pop("glu")
-  wbytes = k * n_out * 2
-  out = []
-  for impl, tuning in [("reference", {})] + [("gpu", t) for t in tunings()]:
-    if tuning.get("splits", 1) > 1 and (flags_.get("norm") or glu):
-      continue  # a K split serves plain products only
-    interpret = jax.default_backend() != "gpu"  # --smoke on a CPU: the kernel interpreted
-    fn = lambda xs, ws, kws: [skinny_matmul(x, w, glu=glu, impl=impl, interpret=interpret,
-                                            **kw, **tuning)
-                              for x, w, kw in zip(xs, ws, kws)]
-    try:
-      dev_ms, wall_ms = timed(fn, (xs, ws, kws))
-    except Exception as e:  # a tiling the kernel cannot compile: recorded, not fatal
-      print(f"  {proj} {impl} {tuning}: {type(e).__name__}: {str(e)[:200]}", flush=True)
-      continue
-    us = 1e3 * (dev_ms or wall_ms) / len(ws)
-    rec = dict(meta, kernel="fused", impl="xla" if impl == "reference" else "pallas",
-               tuning=tuning, model=name, role="draft", proj=proj, k=k, n=n_out, rows=rows,
-               fused=sorted(f for f, on in flags_.items() if on), weight_bytes=wbytes,
-               copies=len(ws), us=us, gpu=dev_ms is not None,
-               tbs=wbytes / (us * 1e-6) / 1e12)
-    rec["bw_frac"] = rec["tbs"] / copy_tbs
-    out.append(rec)
-    print(f"  fused {proj:8s} rows={rows:3d} {rec['impl']:6s} {str(tuning):70s} "
-          f"{us:8.2f} us  {rec['bw_frac']:6.0%}", flush=True)
-  return out
 
 
 def save_plot(records, path):

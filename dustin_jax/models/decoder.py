@@ -13,8 +13,8 @@ Attention reads the KV cache through `kernels/`: the full cache
 plus the new block (`sparse_verify`) -- the seam the selection policies use --
 or, when `window` is given, only an attention-sink prefix and a recent window
 plus the block (`window_attention`: a streaming draft; the kernel also applies
-RoPE and writes the block's rows). A streaming draft's projections run with
-their neighbours fused (`skinny_matmul`), so its layer-pass is five kernels.
+RoPE and writes the block's rows, and reads q, k and v from the one packed
+projection, so a draft layer-pass's attention is one kernel).
 """
 
 from __future__ import annotations
@@ -31,7 +31,6 @@ from dustin_jax import sharding
 from dustin_jax.cache import KVCache, write_rows
 from dustin_jax.config import ModelConfig, rope_inv_freq
 from kernels.decode_attention.ops import decode_attention
-from kernels.skinny_matmul.ops import skinny_matmul
 from kernels.sparse_verify.ops import sparse_verify
 from kernels.window_attention.ops import window_attention
 
@@ -242,42 +241,18 @@ class Block(nnx.Module):
     return self.finish(x, out), k_cache, v_cache, q
 
   def streaming_call(self, x, cos, sin, k_cache, v_cache, lengths, impl, mesh, window):
-    """The layer over a streaming cache (a draft pass): five kernels on one
-    device -- each projection with its neighbours (`skinny_matmul`: the
-    RMSNorm before q/k/v and gate/up, the bias, SiLU x up, the residual adds)
-    and the attention (`streaming_attention`). Under a mesh XLA partitions
-    the projections (a Pallas call is not partitioned)."""
-    b, t, d = x.shape
-    attn, mlp = self.self_attn, self.mlp
+    """The layer over a streaming cache (a draft pass): the attention is one
+    kernel (`streaming_attention`) fed by the packed q/k/v projection."""
+    b, t, _ = x.shape
+    attn = self.self_attn
     g, hd = attn.num_kv_heads, attn.head_dim
     r = attn.num_heads // g
-    rows = x.reshape(b * t, d)
-    if mesh is None:
-      qkv = _fused(attn.qkv_proj, rows, impl, norm=self.input_layernorm)
-    else:
-      qkv = attn.qkv_proj(self.input_layernorm(x))
-    qkv = qkv.reshape(b, t, g, r + 2, hd)
+    qkv = attn.qkv_proj(self.input_layernorm(x)).reshape(b, t, g, r + 2, hd)
     out, k_cache, v_cache = streaming_attention(qkv, k_cache, v_cache, lengths, cos, sin, window,
                                                 impl, mesh)
-    if mesh is None:
-      h = _fused(attn.o_proj, out.reshape(b * t, -1), impl, residual=rows)
-      up = _fused(mlp.gate_up_proj, h, impl, norm=self.post_attention_layernorm, glu=True)
-      x = _fused(mlp.down_proj, up, impl, residual=h).reshape(b, t, d)
-    else:
-      x = self.finish(x, out)
     # the roped queries only where a caller taps them (XLA drops them elsewhere)
     q = qkv[:, :, :, :r].reshape(b, t, attn.num_heads, hd)
-    return x, k_cache, v_cache, apply_rope(q, cos, sin)
-
-
-def _fused(linear: Linear, x, impl, *, norm: RMSNorm | None = None, glu=False, residual=None):
-  """`linear` of rows `x` [M, d_in] with its neighbours in one kernel: the
-  same arithmetic as `residual + act(linear(norm(x)))` (`skinny_matmul`)."""
-  bias = None if linear.bias is None else linear.bias[...]
-  if norm is None:
-    return skinny_matmul(x, linear.kernel[...], bias=bias, glu=glu, residual=residual, impl=impl)
-  return skinny_matmul(x, linear.kernel[...], norm_weight=norm.weight[...], eps=norm.eps,
-                       bias=bias, glu=glu, residual=residual, impl=impl)
+    return self.finish(x, out), k_cache, v_cache, apply_rope(q, cos, sin)
 
 
 def run_block(layer: Block, *args, impl, mesh, window=None):
