@@ -1,7 +1,7 @@
 """Window attention with the new rows written in place, Pallas with Triton
 lowering: one kernel for the draft's attention of one layer-pass.
 
-Grid (B, Hkv).  Program (b, h), with L = lengths[b]:
+Grid (B, Hkv, splits).  Program (b, h, p), with L = lengths[b]:
   * loads, from the packed qkv [B, T, Hkv, G + 2, D] (the fused projection's
     output, passed once as its free [B, T * Hkv * (G + 2), D] view, so no
     slice of q, k or v is materialized before the call), the q rows of the G
@@ -19,9 +19,13 @@ Grid (B, Hkv).  Program (b, h), with L = lengths[b]:
     the sink rows [0, min(n_sink, L)) as one masked tile of next_pow2(n_sink)
     rows, then the window rows [max(n_sink, L - n_window), L) in tiles of
     ``block_w`` rows at the dynamic start, masked past L (only the tiles the
-    window fills are walked);
-  * stores the output rows, and the roped k rows and the v rows into the
-    caches at rows L + t (masked row stores).  The cache outputs alias the
+    window fills are walked).  With splits > 1 the block and the sink are
+    program 0's, window tile i is program i % splits's, and each program
+    stores its partial (o, m, l) for ``common.combine_partials`` (one XLA
+    fusion after the kernel): the tiles' latency chains run side by side
+    instead of one after another;
+  * stores the output rows (or its partials), and (program 0) the roped k
+    rows and the v rows into the caches at rows L + t (masked row stores).  The cache outputs alias the
     cache inputs (``input_output_aliases``): the update is in place when the
     caller's cache buffers are donated (inside one jit, when the old cache is
     dead), otherwise XLA copies the caches first.  The program never reads
@@ -71,12 +75,18 @@ def qkv_row(t, h, c, Hkv: int, G: int):
   return (t * Hkv + h) * (G + 2) + c
 
 
-def _kernel(len_ref, qkv_ref, cos_ref, sin_ref, kc_ref, vc_ref, out_ref,
-            kc_out, vc_out, *, T, G, Hq, Hkv, M, TB, D, S, n_sink, NS,
-            n_window, BW, scale_log2):
+def _kernel(len_ref, qkv_ref, cos_ref, sin_ref, kc_ref, vc_ref, *out_refs, T,
+            G, Hq, Hkv, M, TB, D, S, n_sink, NS, n_window, BW, P, scale_log2):
   b = pl.program_id(0)
   h = pl.program_id(1)
   L = len_ref[b]
+  if P == 1:
+    out_ref, kc_out, vc_out = out_refs
+    first = True
+  else:  # program p: its share of the window tiles; program 0 also the block and sink
+    o_ref, m_ref, l_ref, kc_out, vc_out = out_refs
+    p = pl.program_id(2)
+    first = p == 0
   half = D // 2
   cols = jnp.arange(D, dtype=jnp.int32)
   lo = cols < half
@@ -111,7 +121,7 @@ def _kernel(len_ref, qkv_ref, cos_ref, sin_ref, kc_ref, vc_ref, out_ref,
     o, m, l = carry
     s = gpu_common.dot(q, k, trans_b=True) * scale_log2
     s = jnp.where(ok[None, :], s, -jnp.inf)
-    return gpu_common.softmax_update(o, m, l, s, v, guard_empty=False)
+    return gpu_common.softmax_update(o, m, l, s, v, guard_empty=P > 1)
 
   # The q, block and sink loads are all issued before any math.  Masked
   # load rows point at row 0: in range, and a masked load yields `other`.
@@ -121,7 +131,7 @@ def _kernel(len_ref, qkv_ref, cos_ref, sin_ref, kc_ref, vc_ref, out_ref,
   qrow = jnp.where(row_ok, qkv_row(tok_r, h, g_r, Hkv, G), 0)
   q_in = load_rope_inputs(qkv_ref, qrow, tok_r, row_ok)
   j = jnp.arange(TB, dtype=jnp.int32)
-  blk_ok = j < T
+  blk_ok = (j < T) & first
   tok_j = jnp.where(blk_ok, j, 0)
   krow = jnp.where(blk_ok, qkv_row(tok_j, h, G, Hkv, G), 0)
   kn_in = load_rope_inputs(qkv_ref, krow, tok_j, blk_ok)
@@ -130,31 +140,41 @@ def _kernel(len_ref, qkv_ref, cos_ref, sin_ref, kc_ref, vc_ref, out_ref,
                 mask=blk_ok[:, None], other=0.0)
   if n_sink:
     sink_pos = jnp.arange(NS, dtype=jnp.int32)
-    sink_ok = sink_pos < jnp.minimum(L, n_sink)
+    sink_ok = (sink_pos < jnp.minimum(L, n_sink)) & first
     sink_kv = load_rows(sink_pos, sink_ok)
 
   q = rope(*q_in)  # [M, D]
   kn = rope(*kn_in)  # [TB, D]
   # The block first: query row r sees block rows j <= t_r (j = 0 at least),
-  # so every row has a finite running max from here on.
+  # so with one program every row has a finite running max from here on
+  # (the split programs' rows may see no key: guarded updates).
   s = gpu_common.dot(q, kn, trans_b=True) * scale_log2
   s = jnp.where(blk_ok[None, :] & (j[None, :] <= t_r[:, None]), s, -jnp.inf)
   carry = gpu_common.softmax_update(*gpu_common.softmax_init(M, D), s, vn,
-                                    guard_empty=False)
+                                    guard_empty=P > 1)
   if n_sink:
     carry = attend(carry, *sink_kv, sink_ok)
   if n_window:
     w0 = jnp.maximum(L - n_window, n_sink)
 
     def step(i, carry):
-      pos = w0 + i * BW + jnp.arange(BW, dtype=jnp.int32)
+      tile = i if P == 1 else p + i * P
+      pos = w0 + tile * BW + jnp.arange(BW, dtype=jnp.int32)
       return attend(carry, *load_rows(pos, pos < L), pos < L)
 
-    carry = lax.fori_loop(0, pl.cdiv(jnp.maximum(L - w0, 0), BW), step, carry)
+    n_tiles = pl.cdiv(jnp.maximum(L - w0, 0), BW)
+    mine = n_tiles if P == 1 else pl.cdiv(jnp.maximum(n_tiles - p, 0), P)
+    carry = lax.fori_loop(0, mine, step, carry)
 
   o, m, l = carry
-  plt.store(out_ref.at[b, orow[:, None], cols[None, :]],
-            (o / l[:, None]).astype(out_ref.dtype), mask=row_ok[:, None])
+  if P == 1:
+    plt.store(out_ref.at[b, orow[:, None], cols[None, :]],
+              (o / l[:, None]).astype(out_ref.dtype), mask=row_ok[:, None])
+  else:
+    plt.store(o_ref.at[p, b, orow[:, None], cols[None, :]], o,
+              mask=row_ok[:, None])
+    plt.store(m_ref.at[p, b, orow], m, mask=row_ok)
+    plt.store(l_ref.at[p, b, orow], l, mask=row_ok)
   # Masked rows point past the cache (row S), never at a live row: interpret
   # mode discharges a masked store as a scatter of old-or-new values, where
   # a duplicate row index would race with the real write (OOB is dropped).
@@ -168,16 +188,16 @@ def _kernel(len_ref, qkv_ref, cos_ref, sin_ref, kc_ref, vc_ref, out_ref,
 
 
 def default_tuning(n_window):
-  """Measured on the H200 (bf16, D 64, 16 sink + 496 window rows, module
-  docstring): window tiles of 128 rows (fewer when the window is shorter),
-  4 warps, 3 stages."""
+  """Window tiles of 128 rows (fewer when the window is shorter), each in its
+  own program, 4 warps, 3 stages."""
   block_w = min(128, max(16, common.next_pow2(max(n_window, 1))))
-  return dict(block_w=block_w, num_warps=4, num_stages=3)
+  return dict(block_w=block_w, splits=max(1, common.cdiv(n_window, block_w)),
+              num_warps=4, num_stages=3)
 
 
 def window_attention_gpu(qkv, k_cache, v_cache, lengths, cos, sin, *, n_sink,
                          n_window, scale=None, interpret=False, block_w=None,
-                         num_warps=None, num_stages=None):
+                         splits=None, num_warps=None, num_stages=None):
   B, T, Hq, D, Hkv, S = check_shapes(qkv, k_cache, v_cache, lengths, cos, sin,
                                      n_sink, n_window)
   n_sink, n_window = int(n_sink), int(n_window)
@@ -185,6 +205,7 @@ def window_attention_gpu(qkv, k_cache, v_cache, lengths, cos, sin, *, n_sink,
   block_w = block_w or tune["block_w"]
   num_warps = num_warps or tune["num_warps"]
   num_stages = num_stages or tune["num_stages"]
+  P = max(1, int(splits or tune["splits"]))
   if D & (D - 1) or D < 16:
     raise ValueError(f"head_dim={D} must be a power of two >= 16 (Triton)")
   if block_w & (block_w - 1) or block_w < 16:
@@ -196,18 +217,24 @@ def window_attention_gpu(qkv, k_cache, v_cache, lengths, cos, sin, *, n_sink,
   scale = common.default_scale(D, scale)
   kernel = functools.partial(
       _kernel, T=T, G=G, Hq=Hq, Hkv=Hkv, M=M, TB=TB, D=D, S=S, n_sink=n_sink,
-      NS=NS, n_window=n_window, BW=block_w, scale_log2=scale * common.LOG2E)
-  out, k_cache, v_cache = pl.pallas_call(
+      NS=NS, n_window=n_window, BW=block_w, P=P, scale_log2=scale * common.LOG2E)
+  if P == 1:
+    outs = [jax.ShapeDtypeStruct((B, T * Hq, D), qkv.dtype)]
+  else:  # partial softmax results (kernels.common), merged below
+    outs = [jax.ShapeDtypeStruct((P, B, T * Hq, D), jnp.float32),
+            jax.ShapeDtypeStruct((P, B, T * Hq), jnp.float32),
+            jax.ShapeDtypeStruct((P, B, T * Hq), jnp.float32)]
+  *out, k_cache, v_cache = pl.pallas_call(
       kernel,
-      grid=(B, Hkv),
-      out_shape=[jax.ShapeDtypeStruct((B, T * Hq, D), qkv.dtype),
-                 jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
-                 jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype)],
-      input_output_aliases={4: 1, 5: 2},
+      grid=(B, Hkv) if P == 1 else (B, Hkv, P),
+      out_shape=outs + [jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
+                        jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype)],
+      input_output_aliases={4: len(outs), 5: len(outs) + 1},
       compiler_params=plt.CompilerParams(num_warps=num_warps,
                                          num_stages=num_stages),
       interpret=interpret,
       name="window_attention",
   )(lengths.astype(jnp.int32), qkv.reshape(B, T * Hkv * (G + 2), D),
     cos.astype(jnp.float32), sin.astype(jnp.float32), k_cache, v_cache)
+  out = out[0] if P == 1 else common.combine_partials(*out, qkv.dtype)
   return out.reshape(B, T, Hq, D), k_cache, v_cache

@@ -212,6 +212,12 @@ GPU_CASES = [
     # sink only / window only
     (2, 4, 2, 16, [2, 11, 45], 6, 0, jnp.float32, {}),
     (2, 4, 1, 16, [2, 11, 45], 0, 24, jnp.bfloat16, dict(block_w=16)),
+    # the window's tiles spread over programs, merged after: one tile each
+    # (a program whose tile the window does not reach: L = 2, 11), and two
+    # programs walking three tiles
+    (2, 4, 2, 32, [2, 11, 45], 4, 48, jnp.float32, dict(block_w=16, splits=3)),
+    (3, 14, 2, 16, [1, 30, 58], 5, 40, jnp.bfloat16, dict(block_w=16, splits=2)),
+    (1, 4, 2, 16, [0, 4, 20], 0, 32, jnp.float32, dict(block_w=16, splits=2)),
 ]
 
 
@@ -250,13 +256,15 @@ gpu_only = pytest.mark.skipif(not ON_GPU, reason="needs a GPU")
 @gpu_only
 @pytest.mark.parametrize("T", [1, 2])
 @pytest.mark.parametrize("Hq,Hkv", [(14, 2), (32, 8)])
-def test_gpu_kernel_compiled_draft_shapes(T, Hq, Hkv):
+@pytest.mark.parametrize("splits", [1, None])  # one program per head; the default
+def test_gpu_kernel_compiled_draft_shapes(T, Hq, Hkv, splits):
   # the draft models' layer shapes, the default 16 sink + 496 window rows
   args = make_case(6, 4, T, Hq, Hkv, 2048, 64, [2000, 5, 300, 1000],
                    jnp.bfloat16)
   ref, kc_ref, vc_ref = window_attention_reference(*packed(args), n_sink=16,
                                                    n_window=496)
-  out, kc, vc = ops.window_attention(*packed(args), n_sink=16, n_window=496)
+  out, kc, vc = ops.window_attention(*packed(args), n_sink=16, n_window=496,
+                                     splits=splits)
   assert rel_err(out, ref) < 2e-2
   # RoPE'd rows: the compiled kernel may contract mul + add into an FMA
   np.testing.assert_allclose(np.asarray(kc, np.float32),
