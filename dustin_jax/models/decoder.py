@@ -75,7 +75,7 @@ def streaming_attention(qkv, k_cache, v_cache, lengths, cos, sin, window, impl, 
   args = (qkv, k_cache, v_cache, lengths, cos, sin)
   if mesh is None:
     return local(*args)
-  b, t, g, r2, hd = qkv.shape
+  g, r2 = qkv.shape[2:4]
   q_spec, kv_spec = _head_specs(g * (r2 - 2), g, mesh)
   qkv_spec = P(kv_spec[0], None, kv_spec[1], None, None)
   table_spec = P(kv_spec[0], None, None)
@@ -92,6 +92,7 @@ def _head_specs(num_heads, num_kv_heads, mesh):
   if (q_spec[2] is None) != (kv_spec[1] is None):  # heads must stay aligned with their KV head
     q_spec, kv_spec = sharding.heads_spec(1, mesh), sharding.cache_spec(1, mesh)
   return q_spec, kv_spec
+
 
 _INIT = nnx.initializers.normal(0.02)
 
@@ -175,14 +176,19 @@ class Attention(nnx.Module):
                            dtype=dtype, rngs=rngs)
     self.o_proj = Linear(cfg.num_heads * hd, d, bias=cfg.o_bias, dtype=dtype, rngs=rngs)
 
+  def packed_qkv(self, x):
+    """The projection of normed `x` [B, T, d] as [B, T, Hkv, G + 2, D]: per
+    KV head its G query heads, then k, then v (before rope)."""
+    b, t, _ = x.shape
+    g = self.num_kv_heads
+    return self.qkv_proj(x).reshape(b, t, g, self.num_heads // g + 2, self.head_dim)
+
   def qkv(self, x, cos=None, sin=None):
     """Queries [B, T, Hq, D], keys and values [B, T, Hkv, D] of normed `x`
     [B, T, d], q and k after rope (before it without cos, sin)."""
-    b, t, _ = x.shape
-    g, hd = self.num_kv_heads, self.head_dim
-    r = self.num_heads // g
-    qkv = self.qkv_proj(x).reshape(b, t, g, r + 2, hd)
-    q = qkv[:, :, :, :r].reshape(b, t, self.num_heads, hd)
+    qkv = self.packed_qkv(x)
+    r = qkv.shape[3] - 2
+    q = qkv[:, :, :, :r].reshape(*qkv.shape[:2], self.num_heads, self.head_dim)
     k, v = qkv[:, :, :, r], qkv[:, :, :, r + 1]
     if cos is None:
       return q, k, v
@@ -243,15 +249,12 @@ class Block(nnx.Module):
   def streaming_call(self, x, cos, sin, k_cache, v_cache, lengths, impl, mesh, window):
     """The layer over a streaming cache (a draft pass): the attention is one
     kernel (`streaming_attention`) fed by the packed q/k/v projection."""
-    b, t, _ = x.shape
-    attn = self.self_attn
-    g, hd = attn.num_kv_heads, attn.head_dim
-    r = attn.num_heads // g
-    qkv = attn.qkv_proj(self.input_layernorm(x)).reshape(b, t, g, r + 2, hd)
+    qkv = self.self_attn.packed_qkv(self.input_layernorm(x))
     out, k_cache, v_cache = streaming_attention(qkv, k_cache, v_cache, lengths, cos, sin, window,
                                                 impl, mesh)
     # the roped queries only where a caller taps them (XLA drops them elsewhere)
-    q = qkv[:, :, :, :r].reshape(b, t, attn.num_heads, hd)
+    r = qkv.shape[3] - 2
+    q = qkv[:, :, :, :r].reshape(*x.shape[:2], -1, qkv.shape[-1])
     return self.finish(x, out), k_cache, v_cache, apply_rope(q, cos, sin)
 
 
