@@ -1,7 +1,9 @@
 r"""Benchmark of the verify-attention kernels (one layer, T verify tokens).
 
 Times decode_attention (our full-cache split-K kernel, the baseline),
-sparse_verify (our gathered attention) per budget K, xla_reference
+sparse_verify (our gathered attention) per budget K, a verify layer's whole
+attention from its packed q/k/v projection (RoPE, cache writes, sparse_verify)
+op by op and as one kernel (sparse_verify_packed), xla_reference
 (decode_attention's jnp reference under jit) and the SRH importance estimate
 (srh_scores, topk, topk_two_stage, srh_scores+topk[_two_stage]); first a jnp
 copy, the bandwidth that every `bw_share` is a share of.  `wall_ms`: wall time
@@ -30,7 +32,8 @@ import numpy as np
 
 from kernels.decode_attention.ops import decode_attention
 from kernels.decode_attention.reference import decode_attention_reference
-from kernels.sparse_verify.ops import sparse_verify
+from kernels.sparse_verify.ops import sparse_verify, sparse_verify_packed
+from kernels.sparse_verify.reference import sparse_verify_packed_reference
 from kernels.sparse_verify.reference import sparse_verify_reference
 from kernels.srh_scores.ops import select_topk, srh_scores, srh_scores_bytes
 from scripts.benchmarking import (DeviceTimer, compile_cache_from_flag, median_seconds, pyplot,
@@ -43,7 +46,7 @@ flags.DEFINE_list("models", ["qwen2.5-7b", "llama3-8b", "qwen2.5-72b"], "layer s
 flags.DEFINE_list("contexts", ["32768", "16384", "8192"], "context lengths")
 flags.DEFINE_list("batches", ["16", "8", "1"], "batch sizes")
 flags.DEFINE_list("budgets", ["256", "512", "1024", "2048"], "sparse budgets K")
-KERNELS = ("decode", "sparse", "xla", "srh")
+KERNELS = ("decode", "sparse", "packed", "xla", "srh")
 flags.DEFINE_list("kernels", list(KERNELS), f"which kernels, of {', '.join(KERNELS)}")
 flags.register_validator("kernels", lambda ks: set(ks) <= set(KERNELS),
                          f"--kernels takes names of {', '.join(KERNELS)}")
@@ -123,16 +126,34 @@ class Bench:
       self.errors.append(msg)
       return None
 
-  def time_calls(self, fn, argsets, rec):
+  def time_calls(self, fn, argsets, rec, state=None):
     """Times one jit holding a call of fn per argset (other queries, indices and
     cache copies: nothing cached or CSE'd): the median wall time over `repeats`
     per call goes into `rec`, which waits in `pending` for its device time.
+    With `state` (the caches of a kernel that writes rows in place), every
+    call is `fn(*argset, *state) -> (out, *state)`, the state threaded from
+    call to call and donated to the jit, so no cache is copied.
     Returns the first call's output."""
-    f = jax.jit(lambda sets: [fn(*a) for a in sets])
-    out = jax.block_until_ready(f(argsets))
-    seconds, _ = median_seconds(lambda: f(argsets), FLAGS.warmup, FLAGS.repeats)
+    if state is None:
+      f = jax.jit(lambda sets: [fn(*a) for a in sets])
+      run = lambda: f(argsets)
+    else:
+      def calls(state, sets):
+        outs = []
+        for a in sets:
+          out, *state = fn(*a, *state)
+          outs.append(out)
+        return tuple(state), outs
+      f = jax.jit(calls, donate_argnums=0)
+      box = [tuple(state)]
+
+      def run():
+        box[0], outs = f(box[0], argsets)
+        return outs
+    out = jax.block_until_ready(run())
+    seconds, _ = median_seconds(run, FLAGS.warmup, FLAGS.repeats)
     rec["wall_ms"] = rec["ms"] = seconds / len(argsets) * 1e3
-    self.pending.append((rec, f, argsets))
+    self.pending.append((rec, run, len(argsets)))
     return out[0]
 
   def flush(self):
@@ -143,10 +164,10 @@ class Bench:
     times = [(None, None)] * len(items)
     if items and self.platform == "gpu":
       with DeviceTimer() as timer:
-        for _, f, argsets in items:
+        for _, run, _ in items:
           with timer.window("item"):
-            jax.block_until_ready(f(argsets))
-      times = timer.times("item", [len(argsets) for _, _, argsets in items])
+            jax.block_until_ready(run())
+      times = timer.times("item", [n for _, _, n in items])
     for (rec, _, _), (busy, span) in zip(items, times):
       rec["gpu_ms"], rec["gpu_span_ms"] = busy, span
       rec["ms"] = busy or rec["ms"]
@@ -225,13 +246,19 @@ class Bench:
     if check:
       rec["rel_err_vs_reference"] = rel_err(out, jax.jit(decode_attention_reference)(*sets[0]))
 
-  def run_sparse(self, sh, K, check=False):
-    """sparse_verify over K random distinct live positions per sequence."""
+  def sparse_indices(self, sh, K):
+    """int32[inner, B, K]: K random distinct live positions per sequence and
+    call, sorted, -1 padding past the context."""
     rng = np.random.default_rng(K)
-    idx = np.full((FLAGS.inner, sh["B"], K), -1, np.int32)  # -1: padding
+    idx = np.full((FLAGS.inner, sh["B"], K), -1, np.int32)
     for i in range(FLAGS.inner):
       for b, L in enumerate(sh["lengths_np"]):
         idx[i, b, :min(K, L)] = np.sort(rng.choice(L, size=min(K, L), replace=False))
+    return idx
+
+  def run_sparse(self, sh, K, check=False):
+    """sparse_verify over K random distinct live positions per sequence."""
+    idx = self.sparse_indices(sh, K)
     # K/V rows read: the valid indices and the T block rows of each sequence
     rows = (idx[0] >= 0).sum() + sh["B"] * sh["T"]
     rec = self.record(sh, "sparse_verify", self.floor_bytes(sh, rows) + sh["B"] * K * 4,
@@ -240,6 +267,41 @@ class Bench:
     out = self.time_calls(functools.partial(sparse_verify, impl=FLAGS.impl), sets, rec)
     if check:
       rec["rel_err_vs_reference"] = rel_err(out, jax.jit(sparse_verify_reference)(*sets[0]))
+
+  def run_packed(self, sh, K):
+    """A verify layer's attention from its packed q/k/v projection: the
+    composition (RoPE, two cache-row scatters, sparse_verify) against
+    sparse_verify_packed (one kernel), with and without the next index
+    block's loads issued ahead; the caches threaded through the calls."""
+    B, T, Hq, Hkv, D = sh["B"], sh["T"], sh["Hq"], sh["Hkv"], sh["D"]
+    G = Hq // Hkv
+    idx = self.sparse_indices(sh, K)
+    keys = jax.random.split(jax.random.PRNGKey(K + 1), FLAGS.inner)
+    pos = sh["lengths"][:, None] + jnp.arange(T)[None]
+    ang = pos[..., None].astype(jnp.float32) * 1e-3 * (1 + jnp.arange(D // 2))
+    cos, sin = jnp.cos(ang), jnp.sin(ang)
+    sets = [(jax.random.normal(k, (B, T, Hkv, G + 2, D), self.dtype), sh["lengths"],
+             jnp.asarray(i), cos, sin) for k, i in zip(keys, idx)]
+    rows = (idx[0] >= 0).sum()
+    # K and V rows read, the block's rows written, qkv and indices read, out written
+    by = (self.floor_bytes(sh, rows) + 2 * B * T * Hkv * D * self.itemsize
+          + B * T * Hkv * (G + 2) * D * self.itemsize + B * K * 4)
+
+    def composition(qkv, lengths, indices, cos, sin, k_cache, v_cache):
+      return sparse_verify_packed_reference(
+          qkv, k_cache, v_cache, lengths, indices, cos, sin,
+          attend=functools.partial(sparse_verify, impl=FLAGS.impl))
+
+    def packed(qkv, lengths, indices, cos, sin, k_cache, v_cache, **tuning):
+      return sparse_verify_packed(qkv, k_cache, v_cache, lengths, indices, cos, sin,
+                                  impl=FLAGS.impl, **tuning)
+    variants = [("rope+write+sparse_verify", composition), ("sparse_verify_packed", packed),
+                ("sparse_verify_packed:no_prefetch",
+                 functools.partial(packed, prefetch=False))]
+    for name, fn in variants:
+      k, v = sh["caches"][0]
+      self.guard(name, lambda: self.time_calls(
+          fn, sets, self.record(sh, name, by, budget=K), state=(k + 0, v + 0)))
 
   def run_srh(self, sh, layout, budgets):
     """srh_scores of the 4 SRH query heads, top-k of random scores, and both."""
@@ -299,6 +361,8 @@ class Bench:
       for K in budgets if every and not ragged else [one_budget(budgets)]:
         self.guard(f"sparse K={K}", lambda: self.run_sparse(
             sh, K, check=check and K == one_budget(budgets)))
+    if "packed" in kernels and not ragged:
+      self.run_packed(sh, one_budget([int(k) for k in FLAGS.budgets]))
     if "xla" in kernels:
       self.guard("xla", lambda: self.run_full_cache(sh, "xla_reference",
                                                     decode_attention_reference))
@@ -309,14 +373,14 @@ class Bench:
         self.guard(f"srh {layout}", lambda: self.run_srh(sh, layout, budgets))
 
 
-TABLE_HEADER = (f"{'kernel':<26}{'model':<13}{'B':>4}{'ctx':>7}{'K':>6}{'rag':>4}"
+TABLE_HEADER = (f"{'kernel':<34}{'model':<13}{'B':>4}{'ctx':>7}{'K':>6}{'rag':>4}"
                 f"{'ms':>10}{'wall_ms':>9}{'bw%':>6}{'x dec':>8}")
 
 
 def format_row(r):
   """One row of the table under TABLE_HEADER."""
   bw, speedup = r["bw_share"] or 0, r["speedup_vs_decode_attention"] or 0
-  row = (f"{r['kernel']:<26}{str(r['model']):<13}{str(r['batch']):>4}{str(r['context']):>7}"
+  row = (f"{r['kernel']:<34}{str(r['model']):<13}{str(r['batch']):>4}{str(r['context']):>7}"
          f"{str(r['budget'] or '-'):>6}{'y' if r['ragged'] else '':>4}"
          f"{r['ms']:>10.4f}{r['wall_ms']:>9.4f}{100 * bw:>6.1f}{speedup:>8.2f}")
   if "srh_layout" in r:

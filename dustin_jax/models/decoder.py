@@ -10,11 +10,12 @@ Each layer runs two fused projections of its normed input: `qkv_proj`
 
 Attention reads the KV cache through `kernels/`: the full cache
 (`decode_attention`), or, when `kv_indices` is given, only those context rows
-plus the new block (`sparse_verify`) -- the seam the selection policies use --
+plus the new block (`sparse_verify_packed`) -- the seam the selection policies use --
 or, when `window` is given, only an attention-sink prefix and a recent window
-plus the block (`window_attention`: a streaming draft; the kernel also applies
-RoPE and writes the block's rows, and reads q, k and v from the one packed
-projection, so a draft layer-pass's attention is one kernel).
+plus the block (`window_attention`: a streaming draft). Both subset paths
+run one kernel from the one packed q/k/v projection (`packed_attention`):
+it also applies RoPE and writes the block's rows, so the attention of a
+draft layer-pass or of a sparse verify layer is one kernel.
 """
 
 from __future__ import annotations
@@ -31,55 +32,61 @@ from dustin_jax import sharding
 from dustin_jax.cache import KVCache, write_rows
 from dustin_jax.config import ModelConfig, rope_inv_freq
 from kernels.decode_attention.ops import decode_attention
-from kernels.sparse_verify.ops import sparse_verify
+from kernels.sparse_verify.ops import sparse_verify_packed
 from kernels.window_attention.ops import window_attention
 
 
-def attention(q, k, v, k_cache, v_cache, lengths, kv_indices, impl, mesh):
+def attention(q, k, v, k_cache, v_cache, lengths, impl, mesh):
   """Write the block's rows `k, v [B, T, Hkv, D]` into the caches at
-  `lengths`, then attention of `q` over the full cache or only the
-  `kv_indices` rows, each plus the block. Returns (out, k_cache, v_cache).
-  Under a mesh both run per device on its own batch rows and KV heads
-  (`shard_map`): no KV row leaves its device, and the cache write is a local
-  scatter (split by XLA's partitioner, the scatter gathered its updates and
-  indices across devices at every layer)."""
-  def local(q, k, v, k_cache, v_cache, lengths, *indices):
+  `lengths`, then attention of `q` over the full cache plus the block.
+  Returns (out, k_cache, v_cache). Under a mesh both run per device on its
+  own batch rows and KV heads (`shard_map`): no KV row leaves its device,
+  and the cache write is a local scatter (split by XLA's partitioner, the
+  scatter gathered its updates and indices across devices at every layer)."""
+  def local(q, k, v, k_cache, v_cache, lengths):
     k_cache, v_cache = write_rows(k_cache, k, lengths), write_rows(v_cache, v, lengths)
-    if indices:
-      return sparse_verify(q, k_cache, v_cache, lengths, indices[0], impl=impl), k_cache, v_cache
     return decode_attention(q, k_cache, v_cache, lengths, impl=impl), k_cache, v_cache
   if impl == "auto" and q.shape[1] > 16:
     impl = "reference"  # the Pallas kernels serve short verify blocks; prefill chunks use XLA
-  indices = () if kv_indices is None else (kv_indices,)
-  args = (q, k, v, k_cache, v_cache, lengths) + indices
+  args = (q, k, v, k_cache, v_cache, lengths)
   if mesh is None:
     return local(*args)
   q_spec, kv_spec = _head_specs(q.shape[2], k_cache.shape[1], mesh)
   rows_spec = P(kv_spec[0], None, kv_spec[1], None)  # [B, T, Hkv, D] like the cache
-  specs = ((q_spec, rows_spec, rows_spec, kv_spec, kv_spec, sharding.batch_spec(1))
-           + (sharding.batch_spec(2),) * len(indices))
+  specs = (q_spec, rows_spec, rows_spec, kv_spec, kv_spec, sharding.batch_spec(1))
   return jax.shard_map(local, mesh=mesh, in_specs=specs,
                        out_specs=(q_spec, kv_spec, kv_spec), check_vma=False)(*args)
 
 
-def streaming_attention(qkv, k_cache, v_cache, lengths, cos, sin, window, impl, mesh):
-  """Attention of a streaming draft's block: RoPE, both cache writes and
-  attention over the sink and window rows plus the block, one kernel
-  (`window_attention`), from the packed projection `qkv [B, T, Hkv, G + 2,
-  D]` before RoPE; `cos, sin [B, T, D]`. Returns (out [B, T, Hq, D],
-  k_cache, v_cache), per device under a mesh as `attention`."""
-  def local(qkv, k_cache, v_cache, lengths, cos, sin):
+def packed_attention(qkv, k_cache, v_cache, lengths, cos, sin, impl, mesh, *, window=None,
+                     kv_indices=None):
+  """Attention of a block from its packed projection `qkv [B, T, Hkv, G + 2,
+  D]` (before RoPE; `cos, sin [B, T, D]`): RoPE, both cache writes and the
+  attention in one kernel, over the sink and window rows (`window = (n_sink,
+  n_window)`, `window_attention`: a streaming draft) or over the `kv_indices`
+  rows (`sparse_verify_packed`: a sparse verification), each plus the block.
+  Returns (out [B, T, Hq, D], k_cache, v_cache), per device under a mesh as
+  `attention`."""
+  if impl == "auto" and qkv.shape[1] > 16:
+    impl = "reference"  # as `attention`: the kernels serve short blocks
+
+  def local(qkv, k_cache, v_cache, lengths, cos, sin, *indices):
     cos, sin = (x[..., :x.shape[-1] // 2] for x in (cos, sin))  # the halves repeat
+    if indices:
+      return sparse_verify_packed(qkv, k_cache, v_cache, lengths, indices[0], cos, sin,
+                                  impl=impl)
     return window_attention(qkv, k_cache, v_cache, lengths, cos, sin, n_sink=window[0],
                             n_window=window[1], impl=impl)
-  args = (qkv, k_cache, v_cache, lengths, cos, sin)
+  indices = () if kv_indices is None else (kv_indices,)
+  args = (qkv, k_cache, v_cache, lengths, cos, sin) + indices
   if mesh is None:
     return local(*args)
   g, r2 = qkv.shape[2:4]
   q_spec, kv_spec = _head_specs(g * (r2 - 2), g, mesh)
   qkv_spec = P(kv_spec[0], None, kv_spec[1], None, None)
   table_spec = P(kv_spec[0], None, None)
-  specs = (qkv_spec, kv_spec, kv_spec, sharding.batch_spec(1), table_spec, table_spec)
+  specs = ((qkv_spec, kv_spec, kv_spec, sharding.batch_spec(1), table_spec, table_spec)
+           + (sharding.batch_spec(2),) * len(indices))
   return jax.shard_map(local, mesh=mesh, in_specs=specs,
                        out_specs=(q_spec, kv_spec, kv_spec), check_vma=False)(*args)
 
@@ -199,11 +206,6 @@ class Attention(nnx.Module):
     b, t = attn.shape[:2]
     return self.o_proj(attn.reshape(b, t, self.num_heads * self.head_dim))
 
-  def __call__(self, x, cos, sin, k_cache, v_cache, lengths, kv_indices, impl, mesh):
-    q, k, v = self.qkv(x, cos, sin)
-    out, k_cache, v_cache = attention(q, k, v, k_cache, v_cache, lengths, kv_indices, impl, mesh)
-    return self.out(out), k_cache, v_cache, q
-
 
 class MLP(nnx.Module):
 
@@ -240,18 +242,21 @@ class Block(nnx.Module):
 
   def __call__(self, x, cos, sin, k_cache, v_cache, lengths, kv_indices, impl, mesh,
                window=None):
-    if window is not None:
-      return self.streaming_call(x, cos, sin, k_cache, v_cache, lengths, impl, mesh, window)
+    if window is not None or kv_indices is not None:
+      return self.packed_call(x, cos, sin, k_cache, v_cache, lengths, impl, mesh,
+                              window=window, kv_indices=kv_indices)
     q, k, v = self.qkv(x, cos, sin)
-    out, k_cache, v_cache = attention(q, k, v, k_cache, v_cache, lengths, kv_indices, impl, mesh)
+    out, k_cache, v_cache = attention(q, k, v, k_cache, v_cache, lengths, impl, mesh)
     return self.finish(x, out), k_cache, v_cache, q
 
-  def streaming_call(self, x, cos, sin, k_cache, v_cache, lengths, impl, mesh, window):
-    """The layer over a streaming cache (a draft pass): the attention is one
-    kernel (`streaming_attention`) fed by the packed q/k/v projection."""
+  def packed_call(self, x, cos, sin, k_cache, v_cache, lengths, impl, mesh, *, window,
+                  kv_indices):
+    """The layer over a subset of the cache (a streaming draft's window or a
+    sparse verification's rows): the attention is one kernel
+    (`packed_attention`) fed by the packed q/k/v projection."""
     qkv = self.self_attn.packed_qkv(self.input_layernorm(x))
-    out, k_cache, v_cache = streaming_attention(qkv, k_cache, v_cache, lengths, cos, sin, window,
-                                                impl, mesh)
+    out, k_cache, v_cache = packed_attention(qkv, k_cache, v_cache, lengths, cos, sin, impl,
+                                             mesh, window=window, kv_indices=kv_indices)
     # the roped queries only where a caller taps them (XLA drops them elsewhere)
     r = qkv.shape[3] - 2
     q = qkv[:, :, :, :r].reshape(*x.shape[:2], -1, qkv.shape[-1])

@@ -1,5 +1,8 @@
-"""Window attention with the new rows written in place, Pallas with Triton
-lowering: one kernel for the draft's attention of one layer-pass.
+"""Attention of a new block with its rows written in place, Pallas with
+Triton lowering: one kernel for the attention of a draft layer-pass (the sink
+and recent window of a streaming cache, `window_attention_gpu`) or of a
+sparse verify layer (a list of context rows, `listed_attention_gpu`, behind
+`kernels.sparse_verify.ops.sparse_verify_packed`).
 
 Grid (B, Hkv, splits).  Program (b, h, p), with L = lengths[b]:
   * loads, from the packed qkv [B, T, Hkv, G + 2, D] (the fused projection's
@@ -16,14 +19,18 @@ Grid (B, Hkv, splits).  Program (b, h, p), with L = lengths[b]:
   * online softmax (f32, log2 units) over the T block rows first (from
     registers, causal: query t sees block rows 0..t; every row then has a
     finite running max, so later masked tiles need no empty-row guard), then
-    the sink rows [0, min(n_sink, L)) as one masked tile of next_pow2(n_sink)
-    rows, then the window rows [max(n_sink, L - n_window), L) in tiles of
-    ``block_w`` rows at the dynamic start, masked past L (only the tiles the
-    window fills are walked).  With splits > 1 the block and the sink are
-    program 0's, window tile i is program i % splits's, and each program
-    stores its partial (o, m, l) for ``common.combine_partials`` (one XLA
-    fusion after the kernel): the tiles' latency chains run side by side
-    instead of one after another;
+    the context tiles of ``block_w`` rows: the window's (the sink rows
+    [0, min(n_sink, L)) as one masked tile of next_pow2(n_sink) rows, then
+    the window rows [max(n_sink, L - n_window), L) at the dynamic start,
+    masked past L; only the tiles the window fills are walked) or the index
+    list's (block i of the list: one index load, then a row gather of K and
+    of V, entries outside [0, L) masked).  With splits > 1 the block and the
+    sink are program 0's, context tile i is program i % splits's, and each
+    program stores its partial (o, m, l) for ``common.combine_partials``
+    (one XLA fusion after the kernel): the tiles' latency chains run side by
+    side instead of one after another.  With ``prefetch`` a program's first
+    tile is loaded with the q rows and tile i + 1's loads are issued before
+    tile i's math (the index -> gather chain overlaps the dots);
   * stores the output rows (or its partials), and (program 0) the roped k
     rows and the v rows into the caches at rows L + t (masked row stores).  The cache outputs alias the
     cache inputs (``input_output_aliases``): the update is in place when the
@@ -37,10 +44,12 @@ for the draft models at T <= 2 (G = 7 for Qwen2.5-0.5B, 4 for Llama-3.2-1B),
 with masked row loads/stores at a per-sequence dynamic offset.  Mosaic GPU's
 tensor-core path is WGMMA, whose accumulator needs M a multiple of 64
 (``jax.experimental.mosaic.gpu.wgmma`` raises otherwise), so 3/4 of every tile
-would be padding; its row gather/scatter lowers to TMA ``tile::gather4``
-(sm_100+, Blackwell, not Hopper) and takes no predicate ("Gather/scatter TMA
-does not support predicates yet" in jax's Mosaic GPU lowering).  Triton's
-masked pointer loads/stores and 16-row dots fit the shape directly.
+would be padding (a verify layer's 35 rows at 7B, T = 5, would fill 64); its
+row gather/scatter, which the index list and the cache writes need, lowers
+to TMA ``tile::gather4`` (sm_100+, Blackwell, not Hopper) and takes no
+predicate ("Gather/scatter TMA does not support predicates yet" in jax's
+Mosaic GPU lowering).  Triton's masked pointer loads/stores and 16-row dots
+fit the shape directly.
 
 Measured on one H200 (jax 0.11.2, bf16, D 64, 16 sink + 496 window rows,
 lengths 4k-8k; device time from a profiler trace of 16 chained calls): 6.2-7.3
@@ -78,15 +87,19 @@ def qkv_row(t, h, c, Hkv: int, G: int):
   return (t * Hkv + h) * (G + 2) + c
 
 
-def _kernel(len_ref, qkv_ref, cos_ref, sin_ref, kc_ref, vc_ref, *out_refs, T,
-            G, Hq, Hkv, M, TB, D, S, n_sink, NS, n_window, BW, P, scale_log2):
+def _kernel(len_ref, *refs, T, G, Hq, Hkv, M, TB, D, S, n_sink, NS, n_window,
+            K, BW, P, prefetch, scale_log2):
+  listed = K > 0  # context rows from an index list (else the sink and window)
+  if listed:
+    idx_ref, *refs = refs
+  qkv_ref, cos_ref, sin_ref, kc_ref, vc_ref, *out_refs = refs
   b = pl.program_id(0)
   h = pl.program_id(1)
   L = len_ref[b]
   if P == 1:
     out_ref, kc_out, vc_out = out_refs
-    first = True
-  else:  # program p: its share of the window tiles; program 0 also the block and sink
+    p, first = 0, True
+  else:  # program p: its share of the context tiles; program 0 also the block and sink
     o_ref, m_ref, l_ref, kc_out, vc_out = out_refs
     p = pl.program_id(2)
     first = p == 0
@@ -112,18 +125,20 @@ def _kernel(len_ref, qkv_ref, cos_ref, sin_ref, kc_ref, vc_ref, *out_refs, T,
     rot = sign[None, :] * xr.astype(jnp.float32)
     return (x.astype(jnp.float32) * c + rot * s).astype(x.dtype)
 
-  def load_rows(pos, ok):
+  def load_rows(pos):
+    """K and V rows at cache positions pos (-1: no row, masked)."""
+    ok = pos >= 0
     rows = jnp.where(ok, pos, 0)
     k = plt.load(kc_ref.at[b, h, rows[:, None], cols[None, :]],
                  mask=ok[:, None], other=0.0)
     v = plt.load(vc_ref.at[b, h, rows[:, None], cols[None, :]],
                  mask=ok[:, None], other=0.0)
-    return k, v
+    return pos, k, v
 
-  def attend(carry, k, v, ok):
+  def attend(carry, pos, k, v):
     o, m, l = carry
     s = gpu_common.dot(q, k, trans_b=True) * scale_log2
-    s = jnp.where(ok[None, :], s, -jnp.inf)
+    s = jnp.where(pos[None, :] >= 0, s, -jnp.inf)
     return gpu_common.softmax_update(o, m, l, s, v, guard_empty=P > 1)
 
   # The q, block and sink loads are all issued before any math.  Masked
@@ -143,8 +158,29 @@ def _kernel(len_ref, qkv_ref, cos_ref, sin_ref, kc_ref, vc_ref, *out_refs, T,
                 mask=blk_ok[:, None], other=0.0)
   if n_sink:
     sink_pos = jnp.arange(NS, dtype=jnp.int32)
-    sink_ok = (sink_pos < jnp.minimum(L, n_sink)) & first
-    sink_kv = load_rows(sink_pos, sink_ok)
+    sink = load_rows(jnp.where((sink_pos < jnp.minimum(L, n_sink)) & first,
+                               sink_pos, -1))
+
+  # The context tiles of this program: tile i is tile p + i * P of the
+  # index list (listed) or of the window.
+  if listed:
+    n_tiles = pl.cdiv(K, BW)
+
+    def tile_pos(i):
+      e0 = (p + i * P) * BW
+      in_list = e0 + jnp.arange(BW, dtype=jnp.int32) < K
+      ctx = plt.load(idx_ref.at[b, pl.ds(e0, BW)], mask=in_list, other=-1)
+      return jnp.where((ctx >= 0) & (ctx < L), ctx, -1)
+  else:
+    w0 = jnp.maximum(L - n_window, n_sink)
+    n_tiles = pl.cdiv(jnp.maximum(L - w0, 0), BW) if n_window else 0
+
+    def tile_pos(i):
+      pos = w0 + (p + i * P) * BW + jnp.arange(BW, dtype=jnp.int32)
+      return jnp.where(pos < L, pos, -1)
+  mine = n_tiles if P == 1 else pl.cdiv(jnp.maximum(n_tiles - p, 0), P)
+  if prefetch:  # the first tile's index and row loads go out with the q loads
+    ahead = load_rows(tile_pos(0))
 
   q = rope(*q_in)  # [M, D]
   kn = rope(*kn_in)  # [TB, D]
@@ -156,18 +192,20 @@ def _kernel(len_ref, qkv_ref, cos_ref, sin_ref, kc_ref, vc_ref, *out_refs, T,
   carry = gpu_common.softmax_update(*gpu_common.softmax_init(M, D), s, vn,
                                     guard_empty=P > 1)
   if n_sink:
-    carry = attend(carry, *sink_kv, sink_ok)
-  if n_window:
-    w0 = jnp.maximum(L - n_window, n_sink)
+    carry = attend(carry, *sink)
+  if prefetch:
+    # Tile i + 1's loads are issued before tile i's math, so its index ->
+    # row-gather latency overlaps that math (past the last tile every row
+    # is -1: masked loads, no traffic).
+    def step(i, c):
+      nxt = load_rows(tile_pos(i + 1))
+      return attend(c[:3], *c[3:]) + nxt
 
-    def step(i, carry):
-      tile = i if P == 1 else p + i * P
-      pos = w0 + tile * BW + jnp.arange(BW, dtype=jnp.int32)
-      return attend(carry, *load_rows(pos, pos < L), pos < L)
-
-    n_tiles = pl.cdiv(jnp.maximum(L - w0, 0), BW)
-    mine = n_tiles if P == 1 else pl.cdiv(jnp.maximum(n_tiles - p, 0), P)
-    carry = lax.fori_loop(0, mine, step, carry)
+    carry = lax.fori_loop(0, mine, step, carry + ahead)[:3]
+  else:
+    carry = lax.fori_loop(0, mine,
+                          lambda i, c: attend(c, *load_rows(tile_pos(i))),
+                          carry)
 
   o, m, l = carry
   if P == 1:
@@ -192,52 +230,88 @@ def _kernel(len_ref, qkv_ref, cos_ref, sin_ref, kc_ref, vc_ref, *out_refs, T,
 
 def default_tuning(n_window):
   """Window tiles of 128 rows (fewer when the window is shorter), each in its
-  own program, 4 warps, 3 stages."""
+  own program, 4 warps, 3 stages, loads issued ahead."""
   block_w = min(128, max(16, common.next_pow2(max(n_window, 1))))
   return dict(block_w=block_w, splits=max(1, common.cdiv(n_window, block_w)),
-              num_warps=4, num_stages=3)
+              num_warps=4, num_stages=3, prefetch=True)
+
+
+def listed_tuning(B, Hkv, K):
+  """Index blocks of 64 rows (row gathers, as sparse_verify), about two
+  programs per SM over the grid (B, Hkv, splits), 4 warps, 3 stages, loads
+  issued ahead."""
+  block_w = 64
+  splits = round(2 * common.num_sms() / (B * Hkv))
+  return dict(block_w=block_w,
+              splits=max(1, min(splits, common.cdiv(K, block_w))),
+              num_warps=4, num_stages=3, prefetch=True)
 
 
 def window_attention_gpu(qkv, k_cache, v_cache, lengths, cos, sin, *, n_sink,
-                         n_window, scale=None, interpret=False, block_w=None,
-                         splits=None, num_warps=None, num_stages=None):
+                         n_window, scale=None, interpret=False, **tuning):
   B, T, Hq, D, Hkv, S = check_shapes(qkv, k_cache, v_cache, lengths, cos, sin,
                                      n_sink, n_window)
-  n_sink, n_window = int(n_sink), int(n_window)
-  tune = default_tuning(n_window)
-  block_w = block_w or tune["block_w"]
-  num_warps = num_warps or tune["num_warps"]
-  num_stages = num_stages or tune["num_stages"]
-  P = max(1, int(splits or tune["splits"]))
+  tune = default_tuning(int(n_window)) | {k: v for k, v in tuning.items() if v is not None}
+  return _call(qkv, k_cache, v_cache, lengths, cos, sin, None, n_sink=int(n_sink),
+               n_window=int(n_window), scale=scale, interpret=interpret, **tune)
+
+
+def listed_attention_gpu(qkv, k_cache, v_cache, lengths, cos, sin, indices, *,
+                         scale=None, interpret=False, **tuning):
+  """The kernel with the context rows named by `indices` [B, K] (each <
+  lengths[b]; -1 or out of range: none) instead of the sink and window."""
+  B, T, Hq, D, Hkv, S = check_shapes(qkv, k_cache, v_cache, lengths, cos, sin,
+                                     0, 0)
+  if indices.ndim != 2 or indices.shape[0] != B or indices.shape[1] < 1:
+    raise ValueError(f"indices must be int32[B={B}, K >= 1], got {indices.shape}")
+  tune = listed_tuning(B, Hkv, indices.shape[1]) | {
+      k: v for k, v in tuning.items() if v is not None}
+  return _call(qkv, k_cache, v_cache, lengths, cos, sin, indices, n_sink=0,
+               n_window=0, scale=scale, interpret=interpret, **tune)
+
+
+def _call(qkv, k_cache, v_cache, lengths, cos, sin, indices, *, n_sink,
+          n_window, scale, interpret, block_w, splits, num_warps, num_stages,
+          prefetch):
+  B, T, Hkv, G2, D = qkv.shape
+  S = k_cache.shape[2]
+  G = G2 - 2
+  Hq = G * Hkv
+  P = max(1, int(splits))
   if D & (D - 1) or D < 16:
     raise ValueError(f"head_dim={D} must be a power of two >= 16 (Triton)")
   if block_w & (block_w - 1) or block_w < 16:
     raise ValueError(f"block_w={block_w} must be a power of two >= 16")
-  G = Hq // Hkv
   M = max(16, common.next_pow2(G * T))
   TB = max(16, common.next_pow2(T))
   NS = max(16, common.next_pow2(n_sink))
   scale = common.default_scale(D, scale)
+  K = 0 if indices is None else indices.shape[1]
   kernel = functools.partial(
       _kernel, T=T, G=G, Hq=Hq, Hkv=Hkv, M=M, TB=TB, D=D, S=S, n_sink=n_sink,
-      NS=NS, n_window=n_window, BW=block_w, P=P, scale_log2=scale * common.LOG2E)
+      NS=NS, n_window=n_window, K=K, BW=block_w, P=P, prefetch=bool(prefetch),
+      scale_log2=scale * common.LOG2E)
   if P == 1:
     outs = [jax.ShapeDtypeStruct((B, T * Hq, D), qkv.dtype)]
   else:  # partial softmax results (kernels.common), merged below
     outs = [jax.ShapeDtypeStruct((P, B, T * Hq, D), jnp.float32),
             jax.ShapeDtypeStruct((P, B, T * Hq), jnp.float32),
             jax.ShapeDtypeStruct((P, B, T * Hq), jnp.float32)]
+  args = [lengths.astype(jnp.int32)]
+  if indices is not None:
+    args.append(indices.astype(jnp.int32))
+  args += [qkv.reshape(B, T * Hkv * G2, D), cos.astype(jnp.float32),
+           sin.astype(jnp.float32), k_cache, v_cache]
   *out, k_cache, v_cache = pl.pallas_call(
       kernel,
       grid=(B, Hkv) if P == 1 else (B, Hkv, P),
       out_shape=outs + [jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
                         jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype)],
-      input_output_aliases={4: len(outs), 5: len(outs) + 1},
+      input_output_aliases={len(args) - 2: len(outs), len(args) - 1: len(outs) + 1},
       compiler_params=plt.CompilerParams(num_warps=num_warps,
                                          num_stages=num_stages),
       interpret=interpret,
-      name="window_attention",
-  )(lengths.astype(jnp.int32), qkv.reshape(B, T * Hkv * (G + 2), D),
-    cos.astype(jnp.float32), sin.astype(jnp.float32), k_cache, v_cache)
+      name="window_attention" if indices is None else "listed_attention",
+  )(*args)
   out = out[0] if P == 1 else common.combine_partials(*out, qkv.dtype)
   return out.reshape(B, T, Hq, D), k_cache, v_cache

@@ -10,42 +10,8 @@ import jax.numpy as jnp
 
 from kernels.window_attention import ops
 from kernels.window_attention.reference import window_attention_reference
-from kernel_cases import ON_GPU, random_qkv, rel_err
-
-
-def rope_half_tables(positions, D, theta=10000.0):
-  """cos, sin [B, T, D // 2] f32 of integer positions [B, T]."""
-  inv = theta ** (-np.arange(0, D, 2, dtype=np.float64) / D)
-  f = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv, jnp.float32)
-  return jnp.cos(f), jnp.sin(f)
-
-
-def make_case(seed, B, T, Hq, Hkv, S, D, lengths, dtype=jnp.float32):
-  """q, k_new, v_new (before RoPE), caches with NaN garbage past
-  lengths + T (a stale read shows as a non-finite output), lengths, cos, sin
-  of the positions lengths + t."""
-  q, k_cache, v_cache, L = random_qkv(seed, B, T, Hq, Hkv, S, D, lengths)
-  kk, kv = jax.random.split(jax.random.PRNGKey(seed + 1000))
-  k_new = jax.random.normal(kk, (B, T, Hkv, D), jnp.float32)
-  v_new = jax.random.normal(kv, (B, T, Hkv, D), jnp.float32)
-  cos, sin = rope_half_tables(L[:, None] + jnp.arange(T)[None], D)
-  cast = lambda x: x.astype(dtype)
-  return (cast(q), cast(k_new), cast(v_new), cast(k_cache), cast(v_cache), L,
-          cos, sin)
-
-
-def pack(q, k_new, v_new):
-  """qkv [B, T, Hkv, G + 2, D] of q [B, T, Hq, D], k_new, v_new [B, T, Hkv,
-  D]: per KV head its G query heads, then k, then v."""
-  B, T, Hq, D = q.shape
-  Hkv = k_new.shape[2]
-  return jnp.concatenate([q.reshape(B, T, Hkv, Hq // Hkv, D),
-                          k_new[:, :, :, None], v_new[:, :, :, None]], axis=3)
-
-
-def packed(args):
-  """make_case's arguments with q, k_new, v_new packed into qkv."""
-  return (pack(*args[:3]),) + tuple(args[3:])
+from kernel_cases import (ON_GPU, check_caches, assert_written, make_case,
+                          pack, packed, rel_err)
 
 
 def test_pack_is_the_fused_projection_layout():
@@ -75,36 +41,6 @@ def composition(q, k_new, v_new, k_cache, v_cache, L, cos, sin, n_sink,
   vc = write_rows(v_cache, v_new, L)
   idx = sink_window_indices(L, n_sink, n_window)
   return sparse_verify_reference(qr, kc, vc, L, idx), kc, vc
-
-
-def assert_written(kc, k_cache, rows_new, L, rtol=0.0):
-  """kc holds rows_new [B, T, Hkv, D] at rows L .. L + T - 1 (to rtol, as
-  much absolute) and k_cache's rows (NaN garbage included) everywhere else,
-  bit-exact."""
-  kc, k_cache = np.asarray(kc, np.float32), np.asarray(k_cache, np.float32)
-  rows_new = np.asarray(rows_new, np.float32)
-  T = rows_new.shape[1]
-  for b, l in enumerate(np.asarray(L)):
-    np.testing.assert_allclose(kc[b, :, l:l + T],
-                               rows_new[b].transpose(1, 0, 2), rtol=rtol,
-                               atol=rtol)
-    np.testing.assert_array_equal(kc[b, :, :l], k_cache[b, :, :l])
-    np.testing.assert_array_equal(kc[b, :, l + T:], k_cache[b, :, l + T:])
-
-
-def check_caches(kc, vc, kc_ref, vc_ref, args, exact_k):
-  """The kernel's caches vs the reference's: the v rows and every row outside
-  the T written ones bit-exact; the roped k rows bit-exact in bf16 and to an
-  f32 rounding in f32 (XLA and Triton may contract x * cos + rot * sin into
-  an FMA, differently per compilation: jit vs eager reference differ alike)."""
-  _, _, _, k_cache, v_cache, L, _, _ = args
-  T = args[1].shape[1]
-  kc_ref = np.asarray(kc_ref, np.float32)
-  rows = np.stack([kc_ref[b, :, l:l + T] for b, l in enumerate(np.asarray(L))])
-  assert_written(kc, k_cache, rows.transpose(0, 2, 1, 3), L,
-                 rtol=0 if exact_k else 1e-6)
-  np.testing.assert_array_equal(np.asarray(vc, np.float32),
-                                np.asarray(vc_ref, np.float32))
 
 
 # lengths for n_sink=4, n_window=16, S=64: L < n_sink, L == 0,
@@ -218,6 +154,11 @@ GPU_CASES = [
     (2, 4, 2, 32, [2, 11, 45], 4, 48, jnp.float32, dict(block_w=16, splits=3)),
     (3, 14, 2, 16, [1, 30, 58], 5, 40, jnp.bfloat16, dict(block_w=16, splits=2)),
     (1, 4, 2, 16, [0, 4, 20], 0, 32, jnp.float32, dict(block_w=16, splits=2)),
+    # each tile's loads issued after the previous tile's math
+    (3, 14, 2, 16, [1, 30, 58], 5, 40, jnp.float32,
+     dict(block_w=16, prefetch=False)),
+    (2, 4, 2, 32, [2, 11, 45], 4, 48, jnp.bfloat16,
+     dict(block_w=16, splits=2, prefetch=False)),
 ]
 
 
