@@ -3,7 +3,7 @@ r"""Benchmark of the verify-attention kernels (one layer, T verify tokens).
 Times decode_attention (our full-cache split-K kernel, the baseline),
 sparse_verify (our gathered attention) per budget K, a verify layer's whole
 attention from its packed q/k/v projection (RoPE, cache writes, sparse_verify)
-op by op and as one kernel (sparse_verify_packed), xla_reference
+as one kernel (sparse_verify_packed), xla_reference
 (decode_attention's jnp reference under jit) and the SRH importance estimate
 (srh_scores, topk, topk_two_stage, srh_scores+topk[_two_stage]); first a jnp
 copy, the bandwidth that every `bw_share` is a share of.  `wall_ms`: wall time
@@ -33,7 +33,6 @@ import numpy as np
 from kernels.decode_attention.ops import decode_attention
 from kernels.decode_attention.reference import decode_attention_reference
 from kernels.sparse_verify.ops import sparse_verify, sparse_verify_packed
-from kernels.sparse_verify.reference import sparse_verify_packed_reference
 from kernels.sparse_verify.reference import sparse_verify_reference
 from kernels.srh_scores.ops import select_topk, srh_scores, srh_scores_bytes
 from scripts.benchmarking import (DeviceTimer, compile_cache_from_flag, median_seconds, pyplot,
@@ -269,10 +268,10 @@ class Bench:
       rec["rel_err_vs_reference"] = rel_err(out, jax.jit(sparse_verify_reference)(*sets[0]))
 
   def run_packed(self, sh, K):
-    """A verify layer's attention from its packed q/k/v projection: the
-    composition (RoPE, two cache-row scatters, sparse_verify) against
-    sparse_verify_packed (one kernel), with and without the next index
-    block's loads issued ahead; the caches threaded through the calls."""
+    """A verify layer's attention from its packed q/k/v projection
+    (sparse_verify_packed: RoPE, both cache-row writes and sparse_verify in
+    one kernel), with and without the next index block's loads issued
+    ahead; the caches threaded through the calls (written in place)."""
     B, T, Hq, Hkv, D = sh["B"], sh["T"], sh["Hq"], sh["Hkv"], sh["D"]
     G = Hq // Hkv
     idx = self.sparse_indices(sh, K)
@@ -287,18 +286,12 @@ class Bench:
     by = (self.floor_bytes(sh, rows) + 2 * B * T * Hkv * D * self.itemsize
           + B * T * Hkv * (G + 2) * D * self.itemsize + B * K * 4)
 
-    def composition(qkv, lengths, indices, cos, sin, k_cache, v_cache):
-      return sparse_verify_packed_reference(
-          qkv, k_cache, v_cache, lengths, indices, cos, sin,
-          attend=functools.partial(sparse_verify, impl=FLAGS.impl))
-
     def packed(qkv, lengths, indices, cos, sin, k_cache, v_cache, **tuning):
       return sparse_verify_packed(qkv, k_cache, v_cache, lengths, indices, cos, sin,
                                   impl=FLAGS.impl, **tuning)
-    variants = [("rope+write+sparse_verify", composition), ("sparse_verify_packed", packed),
-                ("sparse_verify_packed:no_prefetch",
-                 functools.partial(packed, prefetch=False))]
-    for name, fn in variants:
+    for name, fn in [("sparse_verify_packed", packed),
+                     ("sparse_verify_packed:no_prefetch",
+                      functools.partial(packed, prefetch=False))]:
       k, v = sh["caches"][0]
       self.guard(name, lambda: self.time_calls(
           fn, sets, self.record(sh, name, by, budget=K), state=(k + 0, v + 0)))

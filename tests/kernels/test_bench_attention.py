@@ -23,8 +23,8 @@ def test_bench_smoke(tmp_path):
   assert (tmp_path / "attention.png").stat().st_size > 1000
   kernels = {r["kernel"] for r in recs}
   assert {"copy", "decode_attention", "sparse_verify", "xla_reference",
-          "srh_scores", "topk", "srh_scores+topk", "rope+write+sparse_verify",
-          "sparse_verify_packed", "sparse_verify_packed:no_prefetch"} <= kernels
+          "srh_scores", "topk", "srh_scores+topk", "sparse_verify_packed",
+          "sparse_verify_packed:no_prefetch"} <= kernels
   for r in recs:
     assert REQUIRED <= set(r), REQUIRED - set(r)
     assert r["ms"] > 0 and r["bytes"] > 0 and r["copy_bw_tbs"] > 0
