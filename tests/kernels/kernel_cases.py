@@ -93,3 +93,16 @@ def check_caches(kc, vc, kc_ref, vc_ref, args, exact_k):
                  rtol=0 if exact_k else 1e-6)
   np.testing.assert_array_equal(np.asarray(vc, np.float32),
                                 np.asarray(vc_ref, np.float32))
+
+
+def assert_compiled_close(got, want):
+  """A compiled packed-q/k/v kernel's (out, k_cache, v_cache) against the
+  reference's, bf16: out to its rounding, the roped k rows to 1e-2 (the
+  compiled kernel may contract mul + add into an FMA), v bit-exact."""
+  (out, kc, vc), (ref, kc_ref, vc_ref) = got, want
+  assert rel_err(out, ref) < 2e-2
+  np.testing.assert_allclose(np.asarray(kc, np.float32),
+                             np.asarray(kc_ref, np.float32), rtol=1e-2,
+                             atol=1e-2)
+  np.testing.assert_array_equal(np.asarray(vc, np.float32),
+                                np.asarray(vc_ref, np.float32))
