@@ -108,3 +108,67 @@ def combine_partials(o, m, l, out_dtype, valid=None):
   l_tot = jnp.sum(w * l, axis=0)
   o_tot = jnp.sum(w[..., None] * o, axis=0)
   return (o_tot / l_tot[..., None]).astype(out_dtype)
+
+
+# ---- the packed q/k/v of a block (window_attention, sparse_verify_packed):
+# qkv [B, T, Hkv, G + 2, D], per KV head h its G query heads (query head
+# h * G + g), then k_new, then v_new; q and k before RoPE.
+
+
+def unpack_qkv(qkv):
+  """(q [B, T, Hq, D], k_new [B, T, Hkv, D], v_new [B, T, Hkv, D]) of the
+  packed qkv [B, T, Hkv, G + 2, D]: per KV head h its G query heads (query
+  head h * G + g), then k, then v."""
+  B, T, Hkv, G2, D = qkv.shape
+  G = G2 - 2
+  return (qkv[:, :, :, :G].reshape(B, T, Hkv * G, D), qkv[:, :, :, G],
+          qkv[:, :, :, G + 1])
+
+
+def rope(x, cos, sin):
+  """x: [B, T, H, D]; cos, sin: [B, T, D // 2] f32.  Rotate-half RoPE in f32,
+  cast to x's dtype: the same arithmetic as the model's ``apply_rope`` with
+  its tables [cos, cos] and [sin, sin]."""
+  xf = x.astype(jnp.float32)
+  half = x.shape[-1] // 2
+  rotated = jnp.concatenate([-xf[..., half:], xf[..., :half]], axis=-1)
+  c = jnp.concatenate([cos, cos], axis=-1)[:, :, None, :]
+  s = jnp.concatenate([sin, sin], axis=-1)[:, :, None, :]
+  return (xf * c + rotated * s).astype(x.dtype)
+
+
+def write_block(cache, new, lengths):
+  """cache [B, Hkv, S, D] with new [B, T, Hkv, D] at rows lengths[b] + t
+  (rows past S dropped)."""
+  B, T = new.shape[:2]
+  rows = lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None]
+  seq = jnp.broadcast_to(jnp.arange(B)[:, None], (B, T))
+  return cache.at[seq, :, rows].set(new.astype(cache.dtype), mode="drop")
+
+
+def check_packed_shapes(qkv, k_cache, v_cache, lengths, cos, sin):
+  """Validates the arguments of a packed q/k/v kernel (window_attention,
+  sparse_verify_packed); returns (B, T, Hq, D, Hkv, S)."""
+  if qkv.ndim != 5 or k_cache.ndim != 4:
+    raise ValueError(f"qkv must be [B, T, Hkv, G + 2, D], k_cache [B, Hkv, S, "
+                     f"D]; got {qkv.shape}, {k_cache.shape}")
+  B, T, _, G2, D = qkv.shape
+  Hkv, S = k_cache.shape[1:3]
+  if k_cache.shape != (B, Hkv, S, D) or v_cache.shape != k_cache.shape:
+    raise ValueError(f"k_cache, v_cache must be [B, Hkv, S, D] with qkv's "
+                     f"B={B}, D={D}; got {k_cache.shape}, {v_cache.shape}")
+  if qkv.shape[2] != Hkv or G2 < 3:
+    raise ValueError(f"qkv must be [B, T, Hkv, G + 2, D] with the caches' "
+                     f"Hkv={Hkv} and G = Hq // Hkv >= 1; got {qkv.shape}")
+  Hq = Hkv * (G2 - 2)
+  if D % 2:
+    raise ValueError(f"head_dim {D} must be even (RoPE halves)")
+  if cos.shape != (B, T, D // 2) or sin.shape != cos.shape:
+    raise ValueError(f"cos, sin must be [B, T, D // 2] = {(B, T, D // 2)}; "
+                     f"got {cos.shape}, {sin.shape}")
+  if lengths.shape != (B,):
+    raise ValueError(f"lengths must be int32[B={B}], got {lengths.shape}")
+  if k_cache.dtype != qkv.dtype or v_cache.dtype != qkv.dtype:
+    raise ValueError(f"caches ({k_cache.dtype}, {v_cache.dtype}) must have "
+                     f"qkv's dtype {qkv.dtype}")
+  return B, T, Hq, D, Hkv, S

@@ -22,7 +22,10 @@ import dataclasses
 from typing import Any, Protocol
 
 import jax
-import jax.numpy as jnp
+
+# the rows a streaming window attends to: the one definition the policies
+# and the window_attention kernel share
+from kernels.window_attention.reference import sink_window_indices  # noqa: F401
 
 
 class Policy(Protocol):
@@ -76,16 +79,3 @@ class FullCache(PolicyDefaults):
 
   def select(self, signals, target_cache, gamma):
     return None
-
-
-def sink_window_indices(lengths: jax.Array, n_sink: int, n_window: int) -> jax.Array:
-  """[B, n_sink + n_window] context rows: the first `n_sink` and the last
-  `n_window` of `[0, lengths[b])`, each once, ascending; -1 marks the
-  slots a short context leaves empty."""
-  lengths = lengths.astype(jnp.int32)[:, None]
-  sink = jnp.arange(n_sink, dtype=jnp.int32)[None]
-  sink = jnp.where(sink < lengths, sink, -1)
-  win = lengths - n_window + jnp.arange(n_window, dtype=jnp.int32)[None]
-  # a window row that is also a sink row (short context) is dropped once
-  win = jnp.where((win >= n_sink) & (win >= 0), win, -1)
-  return jnp.concatenate([jnp.broadcast_to(sink, win.shape[:1] + sink.shape[1:]), win], axis=1)

@@ -14,8 +14,6 @@ import jax
 import jax.numpy as jnp
 
 from kernels import common
-from kernels.window_attention.reference import (check_shapes, rope, unpack_qkv,
-                                                write_block)
 
 
 def extended_positions(indices, lengths, T):
@@ -63,15 +61,15 @@ def sparse_verify_packed_reference(qkv, k_cache, v_cache, lengths, indices,
   """The verify layer's attention from the packed projection: RoPE of q and
   k_new (`cos, sin` [B, T, D // 2]), the roped k rows and the v rows written
   at lengths[b] + t, then sparse verify attention over `indices` plus the
-  block.  qkv [B, T, Hkv, G + 2, D] as in window_attention.  `attend`: the
+  block.  qkv [B, T, Hkv, G + 2, D] as `common.unpack_qkv` reads it.  `attend`: the
   sparse_verify implementation (default this reference).  Returns (out,
   k_cache, v_cache)."""
-  check_shapes(qkv, k_cache, v_cache, lengths, cos, sin, 0, 0)
-  q, k_new, v_new = unpack_qkv(qkv)
+  common.check_packed_shapes(qkv, k_cache, v_cache, lengths, cos, sin)
+  q, k_new, v_new = common.unpack_qkv(qkv)
   cos, sin = cos.astype(jnp.float32), sin.astype(jnp.float32)
   lengths = lengths.astype(jnp.int32)
-  k_cache = write_block(k_cache, rope(k_new, cos, sin), lengths)
-  v_cache = write_block(v_cache, v_new, lengths)
+  k_cache = common.write_block(k_cache, common.rope(k_new, cos, sin), lengths)
+  v_cache = common.write_block(v_cache, v_new, lengths)
   attend = attend or sparse_verify_reference
-  return (attend(rope(q, cos, sin), k_cache, v_cache, lengths, indices,
+  return (attend(common.rope(q, cos, sin), k_cache, v_cache, lengths, indices,
                  scale=scale), k_cache, v_cache)

@@ -252,30 +252,32 @@ def listed_tuning(B, Hkv, K):
 
 def window_attention_gpu(qkv, k_cache, v_cache, lengths, cos, sin, *, n_sink,
                          n_window, scale=None, interpret=False, **tuning):
-  B, T, Hq, D, Hkv, S = check_shapes(qkv, k_cache, v_cache, lengths, cos, sin,
-                                     n_sink, n_window)
-  tune = default_tuning(int(n_window)) | {k: v for k, v in tuning.items() if v is not None}
-  return _call(qkv, k_cache, v_cache, lengths, cos, sin, None, n_sink=int(n_sink),
-               n_window=int(n_window), scale=scale, interpret=interpret, **tune)
+  check_shapes(qkv, k_cache, v_cache, lengths, cos, sin, n_sink, n_window)
+  return _call(qkv, k_cache, v_cache, lengths, cos, sin, None, int(n_sink),
+               int(n_window), scale, interpret, default_tuning(int(n_window)),
+               tuning)
 
 
 def listed_attention_gpu(qkv, k_cache, v_cache, lengths, cos, sin, indices, *,
                          scale=None, interpret=False, **tuning):
   """The kernel with the context rows named by `indices` [B, K] (each <
   lengths[b]; -1 or out of range: none) instead of the sink and window."""
-  B, T, Hq, D, Hkv, S = check_shapes(qkv, k_cache, v_cache, lengths, cos, sin,
-                                     0, 0)
+  B, _, _, _, Hkv, _ = common.check_packed_shapes(qkv, k_cache, v_cache,
+                                                  lengths, cos, sin)
   if indices.ndim != 2 or indices.shape[0] != B or indices.shape[1] < 1:
     raise ValueError(f"indices must be int32[B={B}, K >= 1], got {indices.shape}")
-  tune = listed_tuning(B, Hkv, indices.shape[1]) | {
-      k: v for k, v in tuning.items() if v is not None}
-  return _call(qkv, k_cache, v_cache, lengths, cos, sin, indices, n_sink=0,
-               n_window=0, scale=scale, interpret=interpret, **tune)
+  return _call(qkv, k_cache, v_cache, lengths, cos, sin, indices, 0, 0, scale,
+               interpret, listed_tuning(B, Hkv, indices.shape[1]), tuning)
 
 
-def _call(qkv, k_cache, v_cache, lengths, cos, sin, indices, *, n_sink,
-          n_window, scale, interpret, block_w, splits, num_warps, num_stages,
-          prefetch):
+def _call(qkv, k_cache, v_cache, lengths, cos, sin, indices, n_sink, n_window,
+          scale, interpret, defaults, tuning):
+  """The pallas_call; `tuning` overrides `defaults` where it is not None."""
+  unknown = sorted(tuning.keys() - defaults.keys())
+  if unknown:
+    raise ValueError(f"unknown tuning {unknown}; known: {sorted(defaults)}")
+  tune = defaults | {k: v for k, v in tuning.items() if v is not None}
+  block_w, splits, prefetch = tune["block_w"], tune["splits"], tune["prefetch"]
   B, T, Hkv, G2, D = qkv.shape
   S = k_cache.shape[2]
   G = G2 - 2
@@ -311,8 +313,8 @@ def _call(qkv, k_cache, v_cache, lengths, cos, sin, indices, *, n_sink,
       out_shape=outs + [jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
                         jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype)],
       input_output_aliases={len(args) - 2: len(outs), len(args) - 1: len(outs) + 1},
-      compiler_params=plt.CompilerParams(num_warps=num_warps,
-                                         num_stages=num_stages),
+      compiler_params=plt.CompilerParams(num_warps=tune["num_warps"],
+                                         num_stages=tune["num_stages"]),
       interpret=interpret,
       name="window_attention" if indices is None else "listed_attention",
   )(*args)

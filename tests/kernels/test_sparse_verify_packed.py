@@ -67,6 +67,9 @@ def test_errors():
   with pytest.raises(ValueError, match="power of two"):
     ops.sparse_verify_packed(*packed(args)[:4], idx, *args[6:], impl="gpu",
                              interpret=True, block_w=24)
+  with pytest.raises(ValueError, match=r"unknown tuning \['combine'\]"):
+    ops.sparse_verify_packed(*packed(args)[:4], idx, *args[6:], impl="gpu",
+                             interpret=True, combine="fused")
 
 
 # (T, Hq, Hkv, D, lengths, K, dtype, tuning)
@@ -105,7 +108,7 @@ def test_all_context_equals_full_attention():
   """Every context row listed: the kernel equals attention over the whole
   cache plus the block (the full verification)."""
   from kernels.decode_attention.reference import decode_attention_reference
-  from kernels.window_attention.reference import rope, unpack_qkv
+  from kernels.common import rope, unpack_qkv
   lengths = [40, 61]
   args = make_case(3, 2, 3, 8, 2, 64, 16, lengths)
   idx = jnp.where(jnp.arange(64)[None] < jnp.asarray(lengths)[:, None],
