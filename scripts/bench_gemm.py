@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import statistics
 import time
 
@@ -33,6 +34,7 @@ import jax
 import jax.numpy as jnp
 
 from dustin_jax.config import ModelConfig, append_xla_flags
+from dustin_jax.models.decoder import partial_products
 from scripts.benchmarking import (DeviceTimer, benchmark_pairs, compile_cache_from_flag, pyplot,
                                   save_figure, write_json)
 
@@ -40,6 +42,9 @@ flags.DEFINE_string("out_dir", "results/h200", "where gemm.json and gemm.png go"
 flags.DEFINE_list("models", ["qwen7b"], "benchmark pairs (configs.shapes.PAIRS)")
 flags.DEFINE_list("rows", ["8", "16", "40", "80"], "activation rows (batch x tokens)")
 flags.DEFINE_integer("ways", 1, "tensor-parallel ways: time one device's shard")
+flags.DEFINE_list("parts", ["1"], "each projection also as this many f32 partial products over "
+                  "slices of K (decoder.partial_products: the consumer sums them); 1: the plain "
+                  "product")
 flags.DEFINE_integer("flush_mb", 256, "weight bytes per timed jit (> L2: no cache reuse)")
 flags.DEFINE_integer("repeats", 5, "timed calls per measurement (median)")
 flags.DEFINE_string("xla_flags", "", "appended to XLA_FLAGS before jax starts")
@@ -52,6 +57,16 @@ def plain_dot(x, w):
   convert), beside `Linear`'s bias-free projections, which ask the GEMM for
   bf16 directly (dustin_jax/models/decoder.py)."""
   return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
+
+
+def launches_per_call(fn, args) -> int:
+  """Kernels one call of jitted `fn` launches: the fusions, custom calls and
+  sorts at the top of its compiled module (bitcasts and tuples launch
+  nothing)."""
+  text = jax.jit(fn).lower(*args).compile().as_text()
+  entry = text[text.index("\nENTRY "):]
+  entry = entry[:entry.index("\n}")]
+  return len(re.findall(r"= \S+ (?:fusion|custom-call|sort|copy|reduce|transpose)\(", entry))
 
 
 def projections(cfg, ways: int) -> dict[str, tuple[int, int]]:
@@ -113,16 +128,25 @@ def main(argv):
         ws = [jax.random.normal(kk, (k, n_out), dtype) * 0.02 for kk in jax.random.split(kw, copies)]
         for rows in (int(r) for r in FLAGS.rows):
           xs = [jax.random.normal(kk, (rows, k), dtype) for kk in jax.random.split(kx, copies)]
-          dev_ms, wall_ms = timed(
-              lambda xs, ws: [plain_dot(x, w) for x, w in zip(xs, ws)], (xs, ws))
-          us = 1e3 * (dev_ms or wall_ms) / copies
-          rec = dict(meta, kernel="gemm", model=name, role=role, proj=proj, k=k, n=n_out,
-                     rows=rows, weight_bytes=wbytes, copies=copies, us=us,
-                     gpu=dev_ms is not None, tbs=wbytes / (us * 1e-6) / 1e12)
-          rec["bw_frac"] = rec["tbs"] / copy_tbs
-          records.append(rec)
-          print(f"{name} {role:6s} {proj:8s} K={k:6d} N={n_out:6d} rows={rows:3d} "
-                f"{us:8.2f} us  {rec['bw_frac']:6.0%} of copy BW", flush=True)
+          for parts in (int(p) for p in FLAGS.parts):
+            if k % parts:
+              continue
+            if parts == 1:
+              fn = lambda xs, ws: [plain_dot(x, w) for x, w in zip(xs, ws)]
+            else:
+              fn = lambda xs, ws, parts=parts: [partial_products(x, w, parts)
+                                                for x, w in zip(xs, ws)]
+            dev_ms, wall_ms = timed(fn, (xs, ws))
+            us = 1e3 * (dev_ms or wall_ms) / copies
+            rec = dict(meta, kernel="gemm", model=name, role=role, proj=proj, k=k, n=n_out,
+                       rows=rows, parts=parts, weight_bytes=wbytes, copies=copies, us=us,
+                       kernels_per_product=launches_per_call(fn, (xs, ws)) / copies,
+                       gpu=dev_ms is not None, tbs=wbytes / (us * 1e-6) / 1e12)
+            rec["bw_frac"] = rec["tbs"] / copy_tbs
+            records.append(rec)
+            print(f"{name} {role:6s} {proj:8s} K={k:6d} N={n_out:6d} rows={rows:3d} "
+                  f"parts={parts:2d} {us:8.2f} us  {rec['bw_frac']:6.0%} of copy BW  "
+                  f"{rec['kernels_per_product']:.1f} kernels", flush=True)
           del xs
         del ws
   write_json(out_json, records)

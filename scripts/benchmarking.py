@@ -295,17 +295,55 @@ def floor_time(rec: dict) -> None:
 PHASES = ("draft", "full_verify", "select", "verify", "accept", "commit", "estimate")
 
 
-def hlo_phases(hlo_text: str) -> dict[str, str]:
-  """Kernel name -> phase, from a compiled module's HLO text: each
-  instruction's `op_name` metadata carries the named scopes it was traced
-  under; GPU kernels of XLA fusions are named after their instruction with
-  '.' and '-' as '_'."""
+def _hlo_stack_frames(hlo_text: str) -> dict[int, str]:
+  """Stack frame id -> "function file:line < caller file:line" from the
+  stack-frame tables at the end of a compiled module's HLO text (the
+  printer writes a frame's parent as parent id + 1, 0 for none)."""
+  def table(name, pattern):
+    i = hlo_text.find("\n" + name + "\n")
+    if i < 0:
+      return {}
+    body = hlo_text[i + len(name) + 2:].split("\n\n")[0]
+    return {int(m.group(1)): m.groups()[1:] for m in re.finditer(r"^(\d+) " + pattern, body, re.M)}
+  files = {k: os.path.basename(v[0]) for k, v in table("FileNames", r'"([^"]*)"').items()}
+  funcs = {k: v[0] for k, v in table("FunctionNames", r'"([^"]*)"').items()}
+  locs = {k: f"{funcs.get(int(f), '?')} {files.get(int(n), '?')}:{line}" for k, (n, f, line) in
+          table("FileLocations", r"\{file_name_id=(\d+) function_name_id=(\d+) line=(\d+)").items()}
+  frames = {k: (int(loc), int(parent) - 1) for k, (loc, parent) in
+            table("StackFrames", r"\{file_location_id=(\d+) parent_frame_id=(\d+)").items()}
   out = {}
-  for m in re.finditer(r"%([\w.-]+) = [^\n]*?op_name=\"([^\"]*)\"", hlo_text):
-    parts = m.group(2).split("/")
+  for k, (loc, parent) in frames.items():
+    chain = [locs.get(loc, "?")]
+    if 0 < parent < k:
+      chain.append(locs.get(frames[parent][0], "?"))
+    out[k] = " < ".join(chain)
+  return out
+
+
+def hlo_op_names(hlo_text: str) -> dict[str, str]:
+  """Kernel name -> the `op_name` metadata of its instruction in a compiled
+  module's HLO text (the named scopes and JAX primitive it was traced from),
+  followed by ` @ function file:line < caller file:line` where the
+  instruction has a stack frame. GPU kernels of XLA fusions are named after
+  their instruction with '.' and '-' as '_'."""
+  frames = _hlo_stack_frames(hlo_text)
+  out = {}
+  for m in re.finditer(r"%([\w.-]+) = [^\n]*?op_name=\"([^\"]*)\"([^\n]*)", hlo_text):
+    frame = re.search(r"stack_frame_id=(\d+)", m.group(3))
+    where = frames.get(int(frame.group(1))) if frame else None
+    out[re.sub(r"[.-]", "_", m.group(1))] = m.group(2) + (f" @ {where}" if where else "")
+  return out
+
+
+def hlo_phases(hlo_text: str) -> dict[str, str]:
+  """Kernel name -> phase: the innermost of the step's named scopes in its
+  instruction's `op_name` (`hlo_op_names`)."""
+  out = {}
+  for kernel, op_name in hlo_op_names(hlo_text).items():
+    parts = op_name.split(" @ ")[0].split("/")
     phase = next((p for p in reversed(parts) if p in PHASES), None)
     if phase is not None:
-      out[re.sub(r"[.-]", "_", m.group(1))] = phase
+      out[kernel] = phase
   return out
 
 

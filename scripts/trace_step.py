@@ -15,6 +15,7 @@ step's named scopes).
 from __future__ import annotations
 
 import collections
+import gzip
 import json
 import os
 import re
@@ -32,7 +33,8 @@ from dustin_jax.selection.policies import policy_from_config
 from dustin_jax.speculative.step import SpecConfig, bind_spec_step
 from dustin_jax.vanilla import VanillaState, bind_vanilla_step
 from scripts.benchmarking import (attribute_phases, busy_time, compile_cache_from_flag,
-                                  device_events, fresh_decode_state, hlo_phases, load_trace_events,
+                                  device_events, fresh_decode_state, hlo_op_names, hlo_phases,
+                                  load_trace_events,
                                   random_cache, random_model, spec_state_at, write_json)
 
 flags.DEFINE_string("out_dir", "results/h200", "where trace_step.json goes")
@@ -48,11 +50,13 @@ flags.DEFINE_list("methods", ["vanilla", "dustin"], "steps profiled: vanilla and
 flags.DEFINE_integer("asrun_steps", 20, "steps queued back to back for step_ms (no profiler)")
 flags.DEFINE_string("out_name", "trace_step.json", "output file in out_dir")
 flags.DEFINE_string("xla_flags", "", "appended to XLA_FLAGS before jax starts")
+flags.DEFINE_bool("save_hlo", False, "also write the dustin step's compiled HLO text "
+                  "(<out_name>.hlo.txt.gz): what each fused kernel computes")
 flags.DEFINE_bool("smoke", False, "tiny shapes (CPU)")
 FLAGS = flags.FLAGS
 
 
-def profile(fn, steps, phase_of=None):
+def profile(fn, steps, phase_of=None, source_of=None):
   """`fn()` runs one step and returns its output. Three measures:
   `step_ms`, steps queued back to back with the host one step ahead (as the
   decode loops run), without the profiler (whose per-launch tracing slows
@@ -83,7 +87,9 @@ def profile(fn, steps, phase_of=None):
     per[e["name"]] += e.get("dur", 0) / steps
     count[e["name"]] += 1 / steps
   busy = busy_time([(e["ts"], e["ts"] + e.get("dur", 0)) for e in dev]) / steps
-  top = [dict(kernel=k[:120], us=round(v, 1), launches=round(count[k], 1))
+  source_of = source_of or {}
+  top = [dict(kernel=k[:120], us=round(v, 1), launches=round(count[k], 1),
+              **({"source": short_source(source_of[k])} if k in source_of else {}))
          for k, v in per.most_common(FLAGS.top)]
   host = host_event_summary(ev, dev, steps)
   phases = ({p: round(us / steps / 1e3, 4) for p, us in attribute_phases(dev, phase_of).items()}
@@ -107,6 +113,14 @@ def host_event_summary(ev, dev, steps):
     per[name] += e.get("dur", 0) / steps
     count[name] += 1 / steps
   return [dict(event=k, us=round(v, 1), count=round(count[k], 1)) for k, v in per.most_common()]
+
+
+def short_source(op_name: str) -> str:
+  """The last scopes of a kernel's `op_name` (`hlo_op_names`): the JAX
+  primitive and the code around it, without the enclosing jits."""
+  path, _, where = op_name.partition(" @ ")
+  parts = [p for p in path.split("/") if not p.startswith("jit(")]
+  return "/".join(parts[-4:]) + (f" @ {where}" if where else "")
 
 
 def brief(measures: dict) -> dict:
@@ -151,12 +165,17 @@ def main(argv):
   dcache = random_cache(dcfg, b, max_len, ctx, 13, mesh=dmesh)
   st = {"s": spec_state_at(box.pop("v").cache, dcache, ctx, policy, mesh)}
   sstep = bind_spec_step(target, draft, cfg)
-  phase_of = hlo_phases(sstep.lower(st["s"]).compile().as_text())
+  hlo_text = sstep.lower(st["s"]).compile().as_text()
+  phase_of, source_of = hlo_phases(hlo_text), hlo_op_names(hlo_text)
+  if FLAGS.save_hlo:
+    os.makedirs(FLAGS.out_dir, exist_ok=True)
+    with gzip.open(os.path.join(FLAGS.out_dir, FLAGS.out_name + ".hlo.txt.gz"), "wt") as f:
+      f.write(hlo_text)
   def srun():
     st["s"], o = sstep(st["s"])
     return o.tokens
   if "dustin" in FLAGS.methods:
-    out["dustin"] = profile(srun, FLAGS.steps, phase_of)
+    out["dustin"] = profile(srun, FLAGS.steps, phase_of, source_of)
     print(json.dumps({"dustin": brief(out["dustin"])}), flush=True)
   write_json(os.path.join(FLAGS.out_dir, FLAGS.out_name), out)
   for m in FLAGS.methods:
@@ -165,7 +184,8 @@ def main(argv):
     if out[m]["phase_ms"]:
       print("  per phase (ms): " + "  ".join(f"{k} {v:.2f}" for k, v in out[m]["phase_ms"].items()))
     for t in out[m]["top"][:15]:
-      print(f"  {t['us']:9.1f} us  x{t['launches']:<6} {t['kernel'][:90]}")
+      print(f"  {t['us']:9.1f} us  x{t['launches']:<6} {t['kernel'][:60]}  "
+            f"{t.get('source', '')[-110:]}")
     print("  host:")
     for t in out[m]["host"][:15]:
       print(f"  {t['us']:9.1f} us  x{t['count']:<6} {t['event'][:90]}")

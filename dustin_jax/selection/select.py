@@ -13,9 +13,9 @@ stale rows of rejected tokens and the padding of shorter or finished
 sequences never are. A context shorter than K is selected whole and the
 remaining slots are -1, so a budget >= context is exactly full verification.
 
-Ties are broken towards the lower position (`lax.top_k` is stable on CPU and
-GPU; on TPU `select_topk` uses `lax.approx_max_k`, which gives no such
-guarantee). The result is ascending among the valid indices, -1 padding last.
+Ties are broken towards the lower position (`lax.top_k` on CPU, the exact
+Pallas top-k of `kernels.topk` on GPU; on TPU `select_topk` uses
+`lax.approx_max_k`, which gives no such guarantee). The result is ascending among the valid indices, -1 padding last.
 """
 
 from __future__ import annotations
@@ -27,7 +27,9 @@ import jax.numpy as jnp
 
 from dustin_jax.config import ConfigError
 from dustin_jax.selection.base import sink_window_indices
+from kernels import common
 from kernels.srh_scores.ops import select_topk
+from kernels.topk.ops import topk
 
 
 def check_budget(budget: int, n_sink: int, n_window: int, m: int = 0, *, who: str = "policy"):
@@ -71,7 +73,10 @@ def top_tier(scores: jax.Array, allowed: jax.Array, k: int):
   if k <= 0:
     return jnp.zeros((b, 0), jnp.int32), jnp.zeros((b, s), bool)
   masked = jnp.where(allowed, scores.astype(jnp.float32), -jnp.inf)
-  vals, idx = select_topk(masked, k)
+  if common.resolve_impl("auto") == "gpu":
+    vals, idx = topk(masked, k)  # the same set as lax.top_k, in index order
+  else:
+    vals, idx = select_topk(masked, k)
   idx = jnp.where(vals > -jnp.inf, idx, -1)
   return idx, indices_to_mask(idx, s)
 
