@@ -15,7 +15,6 @@ Conventions shared by every flash-decoding style kernel of this package:
 """
 from __future__ import annotations
 
-import functools
 import math
 
 import jax
@@ -147,23 +146,18 @@ def write_block(cache, new, lengths):
   return cache.at[seq, :, rows].set(new.astype(cache.dtype), mode="drop")
 
 
-def check_packed_shapes(qkv, k_cache, v_cache, lengths, cos, sin, bias=None):
+def check_packed_shapes(qkv, k_cache, v_cache, lengths, cos, sin):
   """Validates the arguments of a packed q/k/v kernel (window_attention,
-  sparse_verify_packed); returns (B, T, Hq, D, Hkv, S).  `qkv` is the
-  finished projection [B, T, Hkv, G + 2, D] in the caches' dtype, or its f32
-  partial products [P, B, T, Hkv, G + 2, D] (`finish_qkv`), with an
-  optional `bias` [Hkv, G + 2, D]."""
-  if qkv.ndim not in (5, 6) or k_cache.ndim != 4:
-    raise ValueError(f"qkv must be [B, T, Hkv, G + 2, D] (or its partial products "
-                     f"[P, B, T, Hkv, G + 2, D]), k_cache [B, Hkv, S, D]; got "
-                     f"{qkv.shape}, {k_cache.shape}")
-  parts = qkv.ndim == 6
-  B, T, _, G2, D = qkv.shape[-5:]
+  sparse_verify_packed); returns (B, T, Hq, D, Hkv, S)."""
+  if qkv.ndim != 5 or k_cache.ndim != 4:
+    raise ValueError(f"qkv must be [B, T, Hkv, G + 2, D], k_cache [B, Hkv, S, "
+                     f"D]; got {qkv.shape}, {k_cache.shape}")
+  B, T, _, G2, D = qkv.shape
   Hkv, S = k_cache.shape[1:3]
   if k_cache.shape != (B, Hkv, S, D) or v_cache.shape != k_cache.shape:
     raise ValueError(f"k_cache, v_cache must be [B, Hkv, S, D] with qkv's "
                      f"B={B}, D={D}; got {k_cache.shape}, {v_cache.shape}")
-  if qkv.shape[-3] != Hkv or G2 < 3:
+  if qkv.shape[2] != Hkv or G2 < 3:
     raise ValueError(f"qkv must be [B, T, Hkv, G + 2, D] with the caches' "
                      f"Hkv={Hkv} and G = Hq // Hkv >= 1; got {qkv.shape}")
   Hq = Hkv * (G2 - 2)
@@ -174,25 +168,7 @@ def check_packed_shapes(qkv, k_cache, v_cache, lengths, cos, sin, bias=None):
                      f"got {cos.shape}, {sin.shape}")
   if lengths.shape != (B,):
     raise ValueError(f"lengths must be int32[B={B}], got {lengths.shape}")
-  if v_cache.dtype != k_cache.dtype or (not parts and qkv.dtype != k_cache.dtype):
+  if k_cache.dtype != qkv.dtype or v_cache.dtype != qkv.dtype:
     raise ValueError(f"caches ({k_cache.dtype}, {v_cache.dtype}) must have "
                      f"qkv's dtype {qkv.dtype}")
-  if parts and qkv.dtype != jnp.float32:
-    raise ValueError(f"partial products must be float32, got {qkv.dtype}")
-  if bias is not None and bias.shape != (Hkv, G2, D):
-    raise ValueError(f"bias must be [Hkv, G + 2, D] = {(Hkv, G2, D)}, got {bias.shape}")
   return B, T, Hq, D, Hkv, S
-
-
-def finish_qkv(qkv, bias, dtype):
-  """The packed projection [B, T, Hkv, G + 2, D] in `dtype` from its f32
-  partial products [P, ...] (summed in order p = 0, 1, .., as the kernels
-  do) plus the bias [Hkv, G + 2, D] in f32, rounded once, as the unsplit
-  projection; a finished `qkv` without bias is returned as it is."""
-  if qkv.ndim == 5 and bias is None:
-    return qkv
-  y = qkv.astype(jnp.float32) if qkv.ndim == 5 else functools.reduce(
-      lambda a, b: a + b, [qkv[p] for p in range(qkv.shape[0])])
-  if bias is not None:
-    y = y + bias.astype(jnp.float32)
-  return y.astype(dtype)

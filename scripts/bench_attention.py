@@ -35,6 +35,7 @@ from kernels.decode_attention.reference import decode_attention_reference
 from kernels.sparse_verify.ops import sparse_verify, sparse_verify_packed
 from kernels.sparse_verify.reference import sparse_verify_reference
 from kernels.srh_scores.ops import select_topk, srh_scores, srh_scores_bytes
+from kernels.topk.ops import topk
 from scripts.benchmarking import (DeviceTimer, compile_cache_from_flag, median_seconds, pyplot,
                                   save_figure, write_json)
 
@@ -65,6 +66,8 @@ flags.DEFINE_bool("ragged", True, "add a ragged-lengths variant at the largest c
 flags.DEFINE_bool("smoke", False, "tiny shapes, reference impl (CPU test)")
 flags.DEFINE_float("time_limit_s", 0.0, "seconds after which no measurement starts (0: none)")
 flags.DEFINE_string("impl", "auto", "impl for our kernels")
+flags.DEFINE_bool("topk_sweep", False, "also time the Pallas top-k at other tunings (chunk "
+                  "length, block, radix bits)")
 
 MODELS = {  # name: (Hq, Hkv, D)
     "qwen2.5-7b": (28, 4, 128),
@@ -86,6 +89,15 @@ SMOKE = dict(models=["tiny"], contexts=["64"], batches=["2"], budgets=["8", "16"
 def one_budget(budgets):
   """The budget run at the secondary shapes: 512 where listed, else the first."""
   return 512 if 512 in budgets else budgets[0]
+
+
+def topk_sweep(S: int, K: int) -> list[dict]:
+  """Tunings of the Pallas top-k beside its default: one program per row
+  (chunk 0) or chunks of S / 8, S / 16, S / 32 keys, blocks of 512 or 1024
+  keys, passes of 2 or 4 radix bits."""
+  chunks = [0] + [c for c in (S // 8, S // 16, S // 32) if c >= 4 * K]
+  return [dict(chunk=c, block=blk, radix_bits=bits)
+          for c in chunks for blk in (512, 1024) for bits in (2, 4)]
 
 
 def rel_err(out, ref):
@@ -310,13 +322,22 @@ class Bench:
     self.time_calls(scores_fn, qsets, rec)
     scores = [(jax.random.uniform(jax.random.PRNGKey(i), (B, S)),) for i in range(FLAGS.inner)]
     for K in budgets:
+      selects = []
       for method, name in (("lax", "topk"), ("two_stage", "topk_two_stage")):
         if method == "two_stage" and S <= max(4 * K, 2048):
           continue  # rows too short for a first stage to pay
-        select = functools.partial(select_topk, k=K, method=method)
+        selects.append((name, functools.partial(select_topk, k=K, method=method)))
+      # the exact Pallas top-k the tiered selection runs on GPU (its set,
+      # in index order), at its default tuning and, with --topk_sweep, others
+      for tuning in [{}] + (topk_sweep(S, K) if FLAGS.topk_sweep else []):
+        name = "topk_kernel" + "".join(f":{k}={v}" for k, v in tuning.items())
+        selects.append((name, functools.partial(topk, k=K, impl=FLAGS.impl, **tuning)))
+      for name, select in selects:
         self.time_calls(select, scores, self.record(sh, name, B * S * 4, budget=K))
+        if ":" in name:
+          continue  # the sweep times the top-k alone
         rec = self.record(sh, f"srh_scores+{name}", by["keys"] + by["scores"], budget=K, **srh)
-        self.time_calls(lambda q, k, L: select(scores_fn(q, k, L)), qsets, rec)
+        self.time_calls(lambda q, k, L, select=select: select(scores_fn(q, k, L)), qsets, rec)
 
   def run_grid(self):
     """Every model at the largest context x batch first (all kernels), then

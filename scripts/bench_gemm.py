@@ -34,7 +34,6 @@ import jax
 import jax.numpy as jnp
 
 from dustin_jax.config import ModelConfig, append_xla_flags
-from dustin_jax.models.decoder import partial_products
 from scripts.benchmarking import (DeviceTimer, benchmark_pairs, compile_cache_from_flag, pyplot,
                                   save_figure, write_json)
 
@@ -43,7 +42,7 @@ flags.DEFINE_list("models", ["qwen7b"], "benchmark pairs (configs.shapes.PAIRS)"
 flags.DEFINE_list("rows", ["8", "16", "40", "80"], "activation rows (batch x tokens)")
 flags.DEFINE_integer("ways", 1, "tensor-parallel ways: time one device's shard")
 flags.DEFINE_list("parts", ["1"], "each projection also as this many f32 partial products over "
-                  "slices of K (decoder.partial_products: the consumer sums them); 1: the plain "
+                  "slices of K (`partial_products`: a consumer would sum them); 1: the plain "
                   "product")
 flags.DEFINE_integer("flush_mb", 256, "weight bytes per timed jit (> L2: no cache reuse)")
 flags.DEFINE_integer("repeats", 5, "timed calls per measurement (median)")
@@ -57,6 +56,18 @@ def plain_dot(x, w):
   convert), beside `Linear`'s bias-free projections, which ask the GEMM for
   bf16 directly (dustin_jax/models/decoder.py)."""
   return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
+
+
+def partial_products(x, w, parts: int):
+  """`x [M, K] @ w [K, N]` as f32 [parts, M, N]: part p the product of the
+  input slice [p K / parts, (p + 1) K / parts), one batched GEMM. At a few
+  rows XLA splits a GEMM's input dimension itself and sums the partials in
+  a separate kernel; this is the product a consumer that sums the partials
+  itself would read."""
+  k = x.shape[-1]
+  xs = x.reshape(*x.shape[:-1], parts, k // parts)
+  return jnp.einsum("...pk,pkn->p...n", xs, w.reshape(parts, k // parts, w.shape[-1]),
+                    preferred_element_type=jnp.float32)
 
 
 def launches_per_call(fn, args) -> int:

@@ -31,9 +31,7 @@ from jax.sharding import PartitionSpec as P
 from dustin_jax import sharding
 from dustin_jax.cache import KVCache, write_rows
 from dustin_jax.config import ModelConfig, rope_inv_freq
-from kernels.common import finish_qkv
 from kernels.decode_attention.ops import decode_attention
-from kernels.residual_norm.ops import residual_norm
 from kernels.sparse_verify.ops import sparse_verify_packed
 from kernels.window_attention.ops import window_attention
 
@@ -60,38 +58,35 @@ def attention(q, k, v, k_cache, v_cache, lengths, impl, mesh):
                        out_specs=(q_spec, kv_spec, kv_spec), check_vma=False)(*args)
 
 
-def packed_attention(qkv, bias, k_cache, v_cache, lengths, cos, sin, impl, mesh, *,
-                     window=None, kv_indices=None):
-  """Attention of a block from its packed projection's f32 partial products
-  `qkv [P, B, T, Hkv, G + 2, D]` and bias `[Hkv, G + 2, D]` or None (before
-  RoPE; `cos, sin [B, T, D]`): their sum, RoPE, both cache writes and the
+def packed_attention(qkv, k_cache, v_cache, lengths, cos, sin, impl, mesh, *, window=None,
+                     kv_indices=None):
+  """Attention of a block from its packed projection `qkv [B, T, Hkv, G + 2,
+  D]` (before RoPE; `cos, sin [B, T, D]`): RoPE, both cache writes and the
   attention in one kernel, over the sink and window rows (`window = (n_sink,
   n_window)`, `window_attention`: a streaming draft) or over the `kv_indices`
   rows (`sparse_verify_packed`: a sparse verification), each plus the block.
   Returns (out [B, T, Hq, D], k_cache, v_cache), per device under a mesh as
   `attention`."""
-  if impl == "auto" and qkv.shape[2] > 16:
+  if impl == "auto" and qkv.shape[1] > 16:
     impl = "reference"  # as `attention`: the kernels serve short blocks
 
-  def local(qkv, k_cache, v_cache, lengths, cos, sin, *rest):
+  def local(qkv, k_cache, v_cache, lengths, cos, sin, *indices):
     cos, sin = (x[..., :x.shape[-1] // 2] for x in (cos, sin))  # the halves repeat
-    b = rest[-1] if bias is not None else None
-    if kv_indices is not None:
-      return sparse_verify_packed(qkv, k_cache, v_cache, lengths, rest[0], cos, sin,
-                                  bias=b, impl=impl)
+    if indices:
+      return sparse_verify_packed(qkv, k_cache, v_cache, lengths, indices[0], cos, sin,
+                                  impl=impl)
     return window_attention(qkv, k_cache, v_cache, lengths, cos, sin, n_sink=window[0],
-                            n_window=window[1], bias=b, impl=impl)
-  rest = (() if kv_indices is None else (kv_indices,)) + (() if bias is None else (bias,))
-  args = (qkv, k_cache, v_cache, lengths, cos, sin) + rest
+                            n_window=window[1], impl=impl)
+  indices = () if kv_indices is None else (kv_indices,)
+  args = (qkv, k_cache, v_cache, lengths, cos, sin) + indices
   if mesh is None:
     return local(*args)
-  g, r2 = qkv.shape[3:5]
+  g, r2 = qkv.shape[2:4]
   q_spec, kv_spec = _head_specs(g * (r2 - 2), g, mesh)
-  qkv_spec = P(None, kv_spec[0], None, kv_spec[1], None, None)
+  qkv_spec = P(kv_spec[0], None, kv_spec[1], None, None)
   table_spec = P(kv_spec[0], None, None)
   specs = ((qkv_spec, kv_spec, kv_spec, sharding.batch_spec(1), table_spec, table_spec)
-           + (sharding.batch_spec(2),) * (kv_indices is not None)
-           + (P(kv_spec[1], None, None),) * (bias is not None))
+           + (sharding.batch_spec(2),) * len(indices))
   return jax.shard_map(local, mesh=mesh, in_specs=specs,
                        out_specs=(q_spec, kv_spec, kv_spec), check_vma=False)(*args)
 
@@ -108,27 +103,6 @@ def _head_specs(num_heads, num_kv_heads, mesh):
 
 _INIT = nnx.initializers.normal(0.02)
 
-# The packed q/k/v projection of a decode or verify block (16-80 rows) runs
-# as this many f32 partial products over slices of its input, summed by the
-# attention kernel that reads them: one GEMM kernel instead of XLA's own
-# input split plus a summing kernel (`scripts/bench_gemm.py --parts`, H200:
-# 2.9 vs 3.9 us at the 0.5B draft's 16 rows, 13.1 vs 14.6 us at the 7B
-# target's 80).
-QKV_PARTS = 4
-
-
-def residual_parts(k: int, rows: int) -> int:
-  """Partial products of a projection that adds to the residual stream (o,
-  down) at `rows` rows, input dimension `k`: summed with the residual add
-  and the next RMSNorm in one kernel (`residual_norm`). The counts XLA's
-  autotuner picks for its own split of these GEMMs, which bench_gemm
-  --parts measures as the fastest single-kernel products on an H200 (0.5B
-  draft, 16 rows: o 8, down 16; 7B target, 80 rows: o 4, down 8)."""
-  parts = (8 if rows <= 32 else 4) if k <= 4096 else (16 if rows <= 32 else 8)
-  while k % parts:
-    parts //= 2
-  return parts
-
 
 class Linear(nnx.Module):
 
@@ -143,26 +117,6 @@ class Linear(nnx.Module):
       return jnp.dot(x, self.kernel[...], preferred_element_type=x.dtype)
     y = jnp.dot(x, self.kernel[...], preferred_element_type=jnp.float32)
     return (y + self.bias[...].astype(jnp.float32)).astype(x.dtype)
-
-  def partial_products(self, x: jax.Array, parts: int) -> jax.Array:
-    """The product without its bias as `parts` f32 partial products over
-    equal slices of the input dimension: [parts, *x.shape[:-1], d_out],
-    summing to `x @ kernel`. At a few rows XLA splits such a GEMM's input
-    dimension itself and sums the partials in a separate kernel; a consumer
-    that sums them itself (with the bias) saves that kernel."""
-    w = self.kernel[...]
-    return partial_products(x, w, parts)
-
-
-def partial_products(x: jax.Array, w: jax.Array, parts: int) -> jax.Array:
-  """`x [..., K] @ w [K, N]` as f32 [parts, ..., N]: part p the product of
-  the input slice [p K / parts, (p + 1) K / parts)."""
-  k = x.shape[-1]
-  if k % parts:
-    raise ValueError(f"input dimension {k} does not split into {parts} equal parts")
-  xs = x.reshape(*x.shape[:-1], parts, k // parts)
-  return jnp.einsum("...pk,pkn->p...n", xs, w.reshape(parts, k // parts, w.shape[-1]),
-                    preferred_element_type=jnp.float32)
 
 
 class RMSNorm(nnx.Module):
@@ -233,22 +187,8 @@ class Attention(nnx.Module):
     """The projection of normed `x` [B, T, d] as [B, T, Hkv, G + 2, D]: per
     KV head its G query heads, then k, then v (before rope)."""
     b, t, _ = x.shape
-    return self.qkv_proj(x).reshape(b, t, *self.packed_shape)
-
-  @property
-  def packed_shape(self):
     g = self.num_kv_heads
-    return g, self.num_heads // g + 2, self.head_dim
-
-  def packed_qkv_parts(self, x):
-    """The projection of normed `x` [B, T, d] as its f32 partial products
-    [P, B, T, Hkv, G + 2, D] and its bias [Hkv, G + 2, D] (None without
-    one), for a consumer that sums them (`packed_attention`)."""
-    d = x.shape[-1]
-    parts = self.qkv_proj.partial_products(x, QKV_PARTS if d % QKV_PARTS == 0 else 1)
-    bias = self.qkv_proj.bias
-    return (parts.reshape(*parts.shape[:3], *self.packed_shape),
-            None if bias is None else bias[...].reshape(self.packed_shape))
+    return self.qkv_proj(x).reshape(b, t, g, self.num_heads // g + 2, self.head_dim)
 
   def qkv(self, x, cos=None, sin=None):
     """Queries [B, T, Hq, D], keys and values [B, T, Hkv, D] of normed `x`
@@ -275,12 +215,8 @@ class MLP(nnx.Module):
     self.down_proj = Linear(f, d, bias=False, dtype=dtype, rngs=rngs)
 
   def __call__(self, x):
-    return self.down_proj(self.hidden(x))
-
-  def hidden(self, x):
-    """silu(gate) * up of normed `x`: the down projection's input."""
     gate_up = self.gate_up_proj(x).reshape(x.shape[:-1] + (-1, 2))
-    return jax.nn.silu(gate_up[..., 0]) * gate_up[..., 1]
+    return self.down_proj(jax.nn.silu(gate_up[..., 0]) * gate_up[..., 1])
 
 
 class Block(nnx.Module):
@@ -313,48 +249,18 @@ class Block(nnx.Module):
     out, k_cache, v_cache = attention(q, k, v, k_cache, v_cache, lengths, impl, mesh)
     return self.finish(x, out), k_cache, v_cache, q
 
-  def packed_call(self, stream, cos, sin, k_cache, v_cache, lengths, impl, mesh, *, window,
+  def packed_call(self, x, cos, sin, k_cache, v_cache, lengths, impl, mesh, *, window,
                   kv_indices):
     """The layer over a subset of the cache (a streaming draft's window or a
-    sparse verification's rows), as few kernels as its decode rows allow:
-    the attention is one kernel (`packed_attention`) fed by the packed q/k/v
-    projection's partial products, and each projection that adds to the
-    residual stream (o, down) leaves its partial products to the kernel
-    that adds them and applies the next RMSNorm (`residual_norm`).
-
-    `stream` is the residual stream (x [B, T, d], pending): `pending` the
-    previous layer's down projection as f32 partial products [P, B, T, d]
-    (None before the first layer). Returns this layer's stream the same way.
-    Under a mesh the o and down projections are row-parallel, summed across
-    devices by XLA: one part each, added by XLA."""
-    x, pending = stream
-    fused = mesh is None
-    norm_impl = impl if fused else "reference"
-    x, normed = residual_norm(x, pending, self.input_layernorm.weight[...],
-                              eps=self.input_layernorm.eps, impl=norm_impl)
-    parts, bias = self.self_attn.packed_qkv_parts(normed)
-    out, k_cache, v_cache = packed_attention(parts, bias, k_cache, v_cache, lengths, cos, sin,
-                                             impl, mesh, window=window, kv_indices=kv_indices)
-    b, t = x.shape[:2]
-    o = self._parts(self.self_attn.o_proj, out.reshape(b, t, -1), fused)
-    x, normed = residual_norm(x, o, self.post_attention_layernorm.weight[...],
-                              eps=self.post_attention_layernorm.eps, impl=norm_impl)
-    down = self._parts(self.mlp.down_proj, self.mlp.hidden(normed), fused)
+    sparse verification's rows): the attention is one kernel
+    (`packed_attention`) fed by the packed q/k/v projection."""
+    qkv = self.self_attn.packed_qkv(self.input_layernorm(x))
+    out, k_cache, v_cache = packed_attention(qkv, k_cache, v_cache, lengths, cos, sin, impl,
+                                             mesh, window=window, kv_indices=kv_indices)
     # the roped queries only where a caller taps them (XLA drops them elsewhere)
-    qkv = finish_qkv(parts, bias, x.dtype)
     r = qkv.shape[3] - 2
-    q = qkv[:, :, :, :r].reshape(b, t, -1, qkv.shape[-1])
-    return (x, down), k_cache, v_cache, apply_rope(q, cos, sin)
-
-  @staticmethod
-  def _parts(proj: Linear, x, fused: bool):
-    """`proj(x)` as f32 partial products [P, ...] (`residual_parts`; one
-    without `fused`), its bias in the first."""
-    parts = proj.partial_products(
-        x, residual_parts(x.shape[-1], x.size // x.shape[-1]) if fused else 1)
-    if proj.bias is not None:
-      parts = parts.at[0].add(proj.bias[...].astype(jnp.float32))
-    return parts
+    q = qkv[:, :, :, :r].reshape(*x.shape[:2], -1, qkv.shape[-1])
+    return self.finish(x, out), k_cache, v_cache, apply_rope(q, cos, sin)
 
 
 def run_block(layer: Block, *args, impl, mesh, window=None):
@@ -402,9 +308,6 @@ class Decoder(nnx.Module):
     positions = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None]
     cos, sin = rope_tables(self.cfg, positions)
     x = jnp.take(self.embed_tokens[...], tokens, axis=0)
-    packed = window is not None or kv_indices is not None
-    if packed:  # the residual stream with a pending projection (`Block.packed_call`)
-      x = (x, None)
     taps = {}
     for i, layer in enumerate(self.layers):
       x, k, v, q = run_block(layer, x, cos, sin, cache.k[i], cache.v[i], cache.lengths,
@@ -412,10 +315,6 @@ class Decoder(nnx.Module):
       cache = cache.with_layer(i, k, v)
       if i in tap_layers:
         taps[i] = q
-    if packed:
-      x, pending = x
-      return residual_norm(x, pending, self.norm.weight[...], eps=self.norm.eps,
-                           impl=impl if mesh is None else "reference")[1], cache, taps
     return self.norm(x), cache, taps
 
   def logits(self, hidden: jax.Array) -> jax.Array:

@@ -38,7 +38,7 @@ def sparse_verify(q, k, v, lengths, indices, *, scale=None, impl="auto",
 
 
 def sparse_verify_packed(qkv, k_cache, v_cache, lengths, indices, cos, sin, *,
-                         bias=None, scale=None, impl="auto", interpret=False, **tuning):
+                         scale=None, impl="auto", interpret=False, **tuning):
   """A verify layer's attention from its packed q/k/v projection: RoPE, both
   cache writes and sparse verify attention, one kernel on GPU.
 
@@ -61,12 +61,12 @@ def sparse_verify_packed(qkv, k_cache, v_cache, lengths, indices, cos, sin, *,
   impl = common.resolve_impl(impl)
   if impl == "gpu":
     return listed_attention_gpu(qkv, k_cache, v_cache, lengths, cos, sin,
-                                indices, bias=bias, scale=scale, interpret=interpret,
+                                indices, scale=scale, interpret=interpret,
                                 **tuning)
   attend = None
   if impl == "tpu":
     attend = lambda *a, scale: sparse_verify_tpu(*a, scale=scale,
                                                  interpret=interpret, **tuning)
   return sparse_verify_packed_reference(qkv, k_cache, v_cache, lengths,
-                                        indices, cos, sin, bias=bias, scale=scale,
+                                        indices, cos, sin, scale=scale,
                                         attend=attend)

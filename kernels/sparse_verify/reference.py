@@ -57,16 +57,15 @@ def sparse_verify_reference(q, k, v, lengths, indices, *, scale=None):
 
 
 def sparse_verify_packed_reference(qkv, k_cache, v_cache, lengths, indices,
-                                   cos, sin, *, bias=None, scale=None, attend=None):
+                                   cos, sin, *, scale=None, attend=None):
   """The verify layer's attention from the packed projection: RoPE of q and
   k_new (`cos, sin` [B, T, D // 2]), the roped k rows and the v rows written
   at lengths[b] + t, then sparse verify attention over `indices` plus the
-  block.  qkv [B, T, Hkv, G + 2, D] as `common.unpack_qkv` reads it, or its
-  f32 partial products [P, B, T, Hkv, G + 2, D] and a `bias` [Hkv, G + 2,
-  D] (`common.finish_qkv`).  `attend`: the sparse_verify implementation
-  (default this reference).  Returns (out, k_cache, v_cache)."""
-  common.check_packed_shapes(qkv, k_cache, v_cache, lengths, cos, sin, bias)
-  q, k_new, v_new = common.unpack_qkv(common.finish_qkv(qkv, bias, k_cache.dtype))
+  block.  qkv [B, T, Hkv, G + 2, D] as `common.unpack_qkv` reads it.  `attend`: the
+  sparse_verify implementation (default this reference).  Returns (out,
+  k_cache, v_cache)."""
+  common.check_packed_shapes(qkv, k_cache, v_cache, lengths, cos, sin)
+  q, k_new, v_new = common.unpack_qkv(qkv)
   cos, sin = cos.astype(jnp.float32), sin.astype(jnp.float32)
   lengths = lengths.astype(jnp.int32)
   k_cache = common.write_block(k_cache, common.rope(k_new, cos, sin), lengths)

@@ -91,13 +91,11 @@ def qkv_row(t, h, c, Hkv: int, G: int):
 
 
 def _kernel(len_ref, *refs, T, G, Hq, Hkv, M, TB, D, S, n_sink, NS, n_window,
-            K, BW, P, prefetch, scale_log2, n_parts, has_bias):
+            K, BW, P, prefetch, scale_log2):
   listed = K > 0  # context rows from an index list (else the sink and window)
   if listed:
     idx_ref, *refs = refs
-  qkv_ref, *refs = refs
-  bias_ref = refs.pop(0) if has_bias else None
-  cos_ref, sin_ref, kc_ref, vc_ref, *out_refs = refs
+  qkv_ref, cos_ref, sin_ref, kc_ref, vc_ref, *out_refs = refs
   b = pl.program_id(0)
   h = pl.program_id(1)
   L = len_ref[b]
@@ -115,30 +113,11 @@ def _kernel(len_ref, *refs, T, G, Hq, Hkv, M, TB, D, S, n_sink, NS, n_window,
   hcols = jnp.where(lo, cols, cols - half)  # column of cos / sin
   sign = jnp.where(lo, -1.0, 1.0).astype(jnp.float32)
 
-  def load_qkv(rows, sel, ok):
-    """Rows of the finished projection at columns `sel`: with partial
-    products, their f32 sum in order plus the bias, rounded once to the
-    caches' dtype (`common.finish_qkv`)."""
+  def load_rope_inputs(ref, rows, tok, ok):
     m2 = ok[:, None]
-    at = lambda *lead: qkv_ref.at[(*lead, b, rows[:, None], sel[None, :])]
-    if not n_parts:
-      y = plt.load(at(), mask=m2, other=0.0)
-      if not has_bias:
-        return y
-    else:
-      y = plt.load(at(0), mask=m2, other=0.0)
-      for part in range(1, n_parts):
-        y = y + plt.load(at(part), mask=m2, other=0.0)
-    if has_bias:  # bias row: the row's (KV head, slot) within its token
-      brow = rows % (Hkv * (G + 2))
-      y = y.astype(jnp.float32) + plt.load(
-          bias_ref.at[brow[:, None], sel[None, :]], mask=m2, other=0.0).astype(jnp.float32)
-    return y.astype(kc_ref.dtype)
-
-  def load_rope_inputs(rows, tok, ok):
-    m2 = ok[:, None]
-    x = load_qkv(rows, cols, ok)
-    xr = load_qkv(rows, rcols, ok)
+    x = plt.load(ref.at[b, rows[:, None], cols[None, :]], mask=m2, other=0.0)
+    xr = plt.load(ref.at[b, rows[:, None], rcols[None, :]], mask=m2,
+                  other=0.0)
     c = plt.load(cos_ref.at[b, tok[:, None], hcols[None, :]], mask=m2,
                  other=0.0)
     s = plt.load(sin_ref.at[b, tok[:, None], hcols[None, :]], mask=m2,
@@ -171,13 +150,15 @@ def _kernel(len_ref, *refs, T, G, Hq, Hkv, M, TB, D, S, n_sink, NS, n_window,
   g_r = jnp.arange(M, dtype=jnp.int32) % G
   tok_r = jnp.where(row_ok, t_r, 0)
   qrow = jnp.where(row_ok, qkv_row(tok_r, h, g_r, Hkv, G), 0)
-  q_in = load_rope_inputs(qrow, tok_r, row_ok)
+  q_in = load_rope_inputs(qkv_ref, qrow, tok_r, row_ok)
   j = jnp.arange(TB, dtype=jnp.int32)
   blk_ok = (j < T) & first
   tok_j = jnp.where(blk_ok, j, 0)
   krow = jnp.where(blk_ok, qkv_row(tok_j, h, G, Hkv, G), 0)
-  kn_in = load_rope_inputs(krow, tok_j, blk_ok)
-  vn = load_qkv(jnp.where(blk_ok, krow + 1, 0), cols, blk_ok)
+  kn_in = load_rope_inputs(qkv_ref, krow, tok_j, blk_ok)
+  vrow = jnp.where(blk_ok, krow + 1, 0)
+  vn = plt.load(qkv_ref.at[b, vrow[:, None], cols[None, :]],
+                mask=blk_ok[:, None], other=0.0)
   if n_sink:
     sink_pos = jnp.arange(NS, dtype=jnp.int32)
     sink = load_rows(jnp.where((sink_pos < jnp.minimum(L, n_sink)) & first,
@@ -270,26 +251,26 @@ def listed_tuning(B, Hkv, K):
 
 
 def window_attention_gpu(qkv, k_cache, v_cache, lengths, cos, sin, *, n_sink,
-                         n_window, bias=None, scale=None, interpret=False, **tuning):
-  check_shapes(qkv, k_cache, v_cache, lengths, cos, sin, n_sink, n_window, bias)
-  return _call(qkv, bias, k_cache, v_cache, lengths, cos, sin, None, int(n_sink),
+                         n_window, scale=None, interpret=False, **tuning):
+  check_shapes(qkv, k_cache, v_cache, lengths, cos, sin, n_sink, n_window)
+  return _call(qkv, k_cache, v_cache, lengths, cos, sin, None, int(n_sink),
                int(n_window), scale, interpret, default_tuning(int(n_window)),
                tuning)
 
 
 def listed_attention_gpu(qkv, k_cache, v_cache, lengths, cos, sin, indices, *,
-                         bias=None, scale=None, interpret=False, **tuning):
+                         scale=None, interpret=False, **tuning):
   """The kernel with the context rows named by `indices` [B, K] (each <
   lengths[b]; -1 or out of range: none) instead of the sink and window."""
   B, _, _, _, Hkv, _ = common.check_packed_shapes(qkv, k_cache, v_cache,
-                                                  lengths, cos, sin, bias)
+                                                  lengths, cos, sin)
   if indices.ndim != 2 or indices.shape[0] != B or indices.shape[1] < 1:
     raise ValueError(f"indices must be int32[B={B}, K >= 1], got {indices.shape}")
-  return _call(qkv, bias, k_cache, v_cache, lengths, cos, sin, indices, 0, 0, scale,
+  return _call(qkv, k_cache, v_cache, lengths, cos, sin, indices, 0, 0, scale,
                interpret, listed_tuning(B, Hkv, indices.shape[1]), tuning)
 
 
-def _call(qkv, bias, k_cache, v_cache, lengths, cos, sin, indices, n_sink, n_window,
+def _call(qkv, k_cache, v_cache, lengths, cos, sin, indices, n_sink, n_window,
           scale, interpret, defaults, tuning):
   """The pallas_call; `tuning` overrides `defaults` where it is not None."""
   unknown = sorted(tuning.keys() - defaults.keys())
@@ -297,9 +278,8 @@ def _call(qkv, bias, k_cache, v_cache, lengths, cos, sin, indices, n_sink, n_win
     raise ValueError(f"unknown tuning {unknown}; known: {sorted(defaults)}")
   tune = defaults | {k: v for k, v in tuning.items() if v is not None}
   block_w, splits, prefetch = tune["block_w"], tune["splits"], tune["prefetch"]
-  n_parts = qkv.shape[0] if qkv.ndim == 6 else 0
-  B, T, Hkv, G2, D = qkv.shape[-5:]
-  S, dtype = k_cache.shape[2], k_cache.dtype
+  B, T, Hkv, G2, D = qkv.shape
+  S = k_cache.shape[2]
   G = G2 - 2
   Hq = G * Hkv
   P = max(1, int(splits))
@@ -315,9 +295,9 @@ def _call(qkv, bias, k_cache, v_cache, lengths, cos, sin, indices, n_sink, n_win
   kernel = functools.partial(
       _kernel, T=T, G=G, Hq=Hq, Hkv=Hkv, M=M, TB=TB, D=D, S=S, n_sink=n_sink,
       NS=NS, n_window=n_window, K=K, BW=block_w, P=P, prefetch=bool(prefetch),
-      scale_log2=scale * common.LOG2E, n_parts=n_parts, has_bias=bias is not None)
+      scale_log2=scale * common.LOG2E)
   if P == 1:
-    outs = [jax.ShapeDtypeStruct((B, T * Hq, D), dtype)]
+    outs = [jax.ShapeDtypeStruct((B, T * Hq, D), qkv.dtype)]
   else:  # partial softmax results (kernels.common), merged below
     outs = [jax.ShapeDtypeStruct((P, B, T * Hq, D), jnp.float32),
             jax.ShapeDtypeStruct((P, B, T * Hq), jnp.float32),
@@ -325,10 +305,8 @@ def _call(qkv, bias, k_cache, v_cache, lengths, cos, sin, indices, n_sink, n_win
   args = [lengths.astype(jnp.int32)]
   if indices is not None:
     args.append(indices.astype(jnp.int32))
-  args.append(qkv.reshape(*qkv.shape[:-5], B, T * Hkv * G2, D))
-  if bias is not None:
-    args.append(bias.reshape(Hkv * G2, D))
-  args += [cos.astype(jnp.float32), sin.astype(jnp.float32), k_cache, v_cache]
+  args += [qkv.reshape(B, T * Hkv * G2, D), cos.astype(jnp.float32),
+           sin.astype(jnp.float32), k_cache, v_cache]
   *out, k_cache, v_cache = pl.pallas_call(
       kernel,
       grid=(B, Hkv) if P == 1 else (B, Hkv, P),
@@ -340,5 +318,5 @@ def _call(qkv, bias, k_cache, v_cache, lengths, cos, sin, indices, n_sink, n_win
       interpret=interpret,
       name="window_attention" if indices is None else "listed_attention",
   )(*args)
-  out = out[0] if P == 1 else common.combine_partials(*out, dtype)
+  out = out[0] if P == 1 else common.combine_partials(*out, qkv.dtype)
   return out.reshape(B, T, Hq, D), k_cache, v_cache

@@ -3,8 +3,7 @@ fallback.
 
 The q, k_new, v_new of the T new tokens come packed as qkv [B, T, Hkv,
 G + 2, D] (``kernels.common.unpack_qkv``: the layout of the model's fused
-q/k/v projection), or as that projection's f32 partial products and bias
-(``kernels.common.finish_qkv``).  For sequence b with L = lengths[b] context rows already
+q/k/v projection).  For sequence b with L = lengths[b] context rows already
 in the cache:
   1. RoPE (rotate-half, f32, cast back to the input dtype) of q and k_new
      with the tables cos, sin of the T new positions;
@@ -41,18 +40,18 @@ def sink_window_indices(lengths: jax.Array, n_sink: int, n_window: int) -> jax.A
   return jnp.concatenate([jnp.broadcast_to(sink, win.shape[:1] + sink.shape[1:]), win], axis=1)
 
 
-def check_shapes(qkv, k_cache, v_cache, lengths, cos, sin, n_sink, n_window, bias=None):
+def check_shapes(qkv, k_cache, v_cache, lengths, cos, sin, n_sink, n_window):
   """Validates the arguments; returns (B, T, Hq, D, Hkv, S)."""
-  shapes = common.check_packed_shapes(qkv, k_cache, v_cache, lengths, cos, sin, bias)
+  shapes = common.check_packed_shapes(qkv, k_cache, v_cache, lengths, cos, sin)
   if int(n_sink) < 0 or int(n_window) < 0:
     raise ValueError(f"n_sink={n_sink}, n_window={n_window} must be >= 0")
   return shapes
 
 
 def window_attention_reference(qkv, k_cache, v_cache, lengths, cos, sin, *,
-                               n_sink, n_window, bias=None, scale=None):
+                               n_sink, n_window, scale=None):
   """Returns (out [B, T, Hq, D], k_cache, v_cache) with the rows written."""
-  check_shapes(qkv, k_cache, v_cache, lengths, cos, sin, n_sink, n_window, bias)
+  check_shapes(qkv, k_cache, v_cache, lengths, cos, sin, n_sink, n_window)
   indices = sink_window_indices(lengths, int(n_sink), int(n_window))
   return sparse_verify_packed_reference(qkv, k_cache, v_cache, lengths, indices,
-                                        cos, sin, bias=bias, scale=scale)
+                                        cos, sin, scale=scale)

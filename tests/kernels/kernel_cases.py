@@ -65,15 +65,6 @@ def packed(args):
   return (pack(*args[:3]),) + tuple(args[3:])
 
 
-def split_parts(qkv, n_parts, seed, bias=True):
-  """Random f32 partial products [n_parts, *qkv.shape] of a packed
-  projection (the decoder's `packed_qkv_parts` layout) and, with `bias`, a
-  random bias [Hkv, G + 2, D]."""
-  ks = jax.random.split(jax.random.PRNGKey(seed), n_parts + 1)
-  parts = jnp.stack([jax.random.normal(k, qkv.shape, jnp.float32) for k in ks[:-1]])
-  return parts, (jax.random.normal(ks[-1], qkv.shape[2:], jnp.float32) if bias else None)
-
-
 def assert_written(kc, k_cache, rows_new, L, rtol=0.0):
   """kc holds rows_new [B, T, Hkv, D] at rows L .. L + T - 1 (to rtol, as
   much absolute) and k_cache's rows (NaN garbage included) everywhere else,

@@ -23,7 +23,8 @@ def test_bench_smoke(tmp_path):
   assert (tmp_path / "attention.png").stat().st_size > 1000
   kernels = {r["kernel"] for r in recs}
   assert {"copy", "decode_attention", "sparse_verify", "xla_reference",
-          "srh_scores", "topk", "srh_scores+topk", "sparse_verify_packed",
+          "srh_scores", "topk", "srh_scores+topk", "topk_kernel",
+          "srh_scores+topk_kernel", "sparse_verify_packed",
           "sparse_verify_packed:no_prefetch"} <= kernels
   for r in recs:
     assert REQUIRED <= set(r), REQUIRED - set(r)

@@ -10,7 +10,7 @@ from kernels.sparse_verify import ops
 from kernels.sparse_verify.reference import (sparse_verify_packed_reference,
                                              sparse_verify_reference)
 from kernel_cases import (ON_GPU, assert_compiled_close, check_caches, make_case,
-                          packed, rel_err, split_parts)
+                          packed, rel_err)
 
 
 def random_indices(seed, lengths, K, fill=0.8):
@@ -122,25 +122,6 @@ def test_all_context_equals_full_attention():
 
 
 # ---------------------------------------------------------------- real GPU
-@pytest.mark.parametrize("n_parts,bias,dtype", [(4, True, jnp.float32),
-                                                (2, False, jnp.bfloat16)])
-def test_gpu_kernel_interpret_partial_products(n_parts, bias, dtype):
-  """The projection as f32 partial products (+ bias), summed in the kernel."""
-  lengths = [5, 33, 58]
-  args = make_case(3, 3, 5, 14, 2, 64, 16, lengths, dtype)
-  qkv, k_cache, v_cache, L = packed(args)[:4]
-  parts, b = split_parts(qkv, n_parts, 5, bias)
-  idx = random_indices(3, lengths, 40)
-  out, kc, vc = ops.sparse_verify_packed(parts, k_cache, v_cache, L, idx, *args[6:],
-                                         bias=b, impl="gpu", interpret=True,
-                                         block_w=16, splits=2)
-  ref, kc_ref, vc_ref = sparse_verify_packed_reference(parts, k_cache, v_cache, L, idx,
-                                                       *args[6:], bias=b)
-  assert out.dtype == dtype
-  assert rel_err(out, ref) < (1e-5 if dtype == jnp.float32 else 2e-2)
-  check_caches(kc, vc, kc_ref, vc_ref, args, exact_k=dtype == jnp.bfloat16)
-
-
 gpu_only = pytest.mark.skipif(not ON_GPU, reason="needs a GPU")
 
 
@@ -155,16 +136,3 @@ def test_gpu_kernel_compiled_target_shapes(Hq, Hkv, D, tuning):
   got = ops.sparse_verify_packed(*packed(args)[:4], idx, *args[6:], **tuning)
   assert_compiled_close(got, sparse_verify_packed_reference(
       *packed(args)[:4], idx, *args[6:]))
-
-
-@gpu_only
-def test_gpu_kernel_compiled_partial_products():
-  # the 7B verify layer: 4 partial products of its q/k/v projection and its bias
-  lengths = [2000, 300, 1500, 1024]
-  args = make_case(4, 4, 5, 28, 4, 2048, 128, lengths, jnp.bfloat16)
-  qkv, k_cache, v_cache, L = packed(args)[:4]
-  parts, b = split_parts(qkv, 4, 6)
-  idx = random_indices(4, lengths, 512)
-  got = ops.sparse_verify_packed(parts, k_cache, v_cache, L, idx, *args[6:], bias=b)
-  assert_compiled_close(got, sparse_verify_packed_reference(
-      parts, k_cache, v_cache, L, idx, *args[6:], bias=b))

@@ -8,11 +8,10 @@ import pytest
 import jax
 import jax.numpy as jnp
 
-from kernels.common import finish_qkv
 from kernels.window_attention import ops
 from kernels.window_attention.reference import window_attention_reference
 from kernel_cases import (ON_GPU, assert_compiled_close, assert_written,
-                          check_caches, make_case, pack, packed, rel_err, split_parts)
+                          check_caches, make_case, pack, packed, rel_err)
 
 
 def test_pack_is_the_fused_projection_layout():
@@ -178,52 +177,6 @@ def test_gpu_kernel_interpret(case):
   check_caches(kc, vc, kc_ref, vc_ref, args, exact_k=dtype == jnp.bfloat16)
 
 
-@pytest.mark.parametrize("n_parts,bias,dtype,tuning", [
-    (4, True, jnp.float32, dict(block_w=16, splits=2)),
-    (3, True, jnp.bfloat16, dict(block_w=16)),
-    (1, False, jnp.bfloat16, dict(block_w=16, splits=3)),
-])
-def test_gpu_kernel_interpret_partial_products(n_parts, bias, dtype, tuning):
-  """The projection as f32 partial products plus a bias: the kernel sums
-  them where it reads q, k and v, as the reference (`finish_qkv`) does."""
-  args = make_case(7, 3, 2, 14, 2, 64, 16, [1, 30, 58], dtype)
-  qkv, *rest = packed(args)
-  parts, b = split_parts(qkv, n_parts, 8, bias)
-  out, kc, vc = ops.window_attention(parts, *rest, n_sink=5, n_window=40, bias=b,
-                                     impl="gpu", interpret=True, **tuning)
-  ref, kc_ref, vc_ref = window_attention_reference(parts, *rest, n_sink=5, n_window=40,
-                                                   bias=b)
-  assert out.dtype == dtype and kc.dtype == dtype
-  assert rel_err(out, ref) < (1e-5 if dtype == jnp.float32 else 2e-2)
-  check_caches(kc, vc, kc_ref, vc_ref, args, exact_k=dtype == jnp.bfloat16)
-  # the reference is the composition over the finished projection
-  fin = window_attention_reference(finish_qkv(parts, b, dtype), *rest, n_sink=5,
-                                   n_window=40)
-  np.testing.assert_array_equal(np.asarray(ref, np.float32), np.asarray(fin[0], np.float32))
-
-
-def test_finish_qkv_sums_in_order_then_rounds_once():
-  parts = jnp.asarray([[1.0, 2.0**-9], [2.0**-8, 0.0], [0.0, 2.0**-9]], jnp.float32)
-  parts = parts.reshape(3, 1, 1, 1, 1, 2)
-  bias = jnp.asarray([[[2.0**-8, 2.0**-9]]], jnp.float32)
-  got = finish_qkv(parts, bias, jnp.bfloat16)
-  # one rounding of the f32 sums 1 + 2^-7 and 3 * 2^-9 (both exact in bf16);
-  # rounded to bf16 after each add, column 0 would stay at 1
-  np.testing.assert_array_equal(np.asarray(got, np.float32).ravel(), [1 + 2.0**-7, 3 * 2.0**-9])
-  fin = jnp.ones((1, 1, 1, 3, 2), jnp.bfloat16)
-  assert finish_qkv(fin, None, jnp.bfloat16) is fin
-
-
-def test_partial_products_errors():
-  args = make_case(7, 2, 1, 4, 2, 32, 16, [3, 9])
-  qkv, *rest = packed(args)
-  parts, b = split_parts(qkv, 2, 9)
-  with pytest.raises(ValueError, match="float32"):
-    window_attention_reference(parts.astype(jnp.bfloat16), *rest, n_sink=2, n_window=4)
-  with pytest.raises(ValueError, match="bias"):
-    window_attention_reference(parts, *rest, n_sink=2, n_window=4, bias=b[:, :-1])
-
-
 def test_gpu_kernel_interpret_under_jit_donated():
   # Traced lengths; the caches donated (aliased outputs may reuse them).
   args = make_case(5, 3, 2, 4, 2, 64, 16, [2, 11, 45])
@@ -253,15 +206,3 @@ def test_gpu_kernel_compiled_draft_shapes(T, Hq, Hkv, splits):
                              splits=splits)
   assert_compiled_close(got, window_attention_reference(
       *packed(args), n_sink=16, n_window=496))
-
-
-@gpu_only
-@pytest.mark.parametrize("T", [1, 2])
-def test_gpu_kernel_compiled_partial_products(T):
-  # the 0.5B draft's layer: 4 partial products of its q/k/v projection and its bias
-  args = make_case(6, 4, T, 14, 2, 2048, 64, [2000, 5, 300, 1000], jnp.bfloat16)
-  qkv, *rest = packed(args)
-  parts, b = split_parts(qkv, 4, 10)
-  got = ops.window_attention(parts, *rest, n_sink=16, n_window=496, bias=b)
-  assert_compiled_close(got, window_attention_reference(parts, *rest, n_sink=16,
-                                                        n_window=496, bias=b))
