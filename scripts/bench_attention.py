@@ -93,9 +93,9 @@ def one_budget(budgets):
 
 def topk_sweep(S: int, K: int) -> list[dict]:
   """Tunings of the Pallas top-k beside its default: one program per row
-  (chunk 0) or chunks of S / 8, S / 16, S / 32 keys, blocks of 512 or 1024
+  (chunk 0) or chunks of S / 16, S / 32 keys, blocks of 512 or 1024
   keys, passes of 2 or 4 radix bits."""
-  chunks = [0] + [c for c in (S // 8, S // 16, S // 32) if c >= 4 * K]
+  chunks = [0] + [c for c in (S // 16, S // 32) if c >= 4 * K]
   return [dict(chunk=c, block=blk, radix_bits=bits)
           for c in chunks for blk in (512, 1024) for bits in (2, 4)]
 
