@@ -92,12 +92,13 @@ def profile(fn, steps, phase_of=None, source_of=None):
               **({"source": short_source(source_of[k])} if k in source_of else {}))
          for k, v in per.most_common(FLAGS.top)]
   host = host_event_summary(ev, dev, steps)
+  sources = time_by_source(per, count, source_of)
   phases = ({p: round(us / steps / 1e3, 4) for p, us in attribute_phases(dev, phase_of).items()}
             if phase_of and dev else None)
   return dict(phase_ms=phases, step_ms=1e3 * sorted(runs)[1], step_ms_runs=[1e3 * r for r in runs],
               profiled_wall_ms=1e3 * wall, gpu_busy_ms=busy / 1e3,
               kernel_sum_ms=sum(per.values()) / 1e3, launches=round(sum(count.values())),
-              top=top, host=host[:FLAGS.top])
+              top=top, by_source=sources[:FLAGS.top], host=host[:FLAGS.top])
 
 
 def host_event_summary(ev, dev, steps):
@@ -115,6 +116,19 @@ def host_event_summary(ev, dev, steps):
   return [dict(event=k, us=round(v, 1), count=round(count[k], 1)) for k, v in per.most_common()]
 
 
+def time_by_source(per: dict, count: dict, source_of: dict) -> list[dict]:
+  """GPU us and launches per step summed by the code a kernel comes from:
+  the function chain of its `op_name` (`hlo_op_names`: "RMSNorm.__call__ <
+  Block.finish"), else its kernel name (a Pallas kernel); largest first."""
+  us, n = collections.Counter(), collections.Counter()
+  for kernel, t in per.items():
+    where = source_of.get(kernel, "").partition(" @ ")[2]
+    key = " < ".join(f.split(" ")[0] for f in where.split(" < ")) if where else kernel
+    us[key] += t
+    n[key] += count[kernel]
+  return [dict(source=k, us=round(v, 1), launches=round(n[k], 1)) for k, v in us.most_common()]
+
+
 def short_source(op_name: str) -> str:
   """The last scopes of a kernel's `op_name` (`hlo_op_names`): the JAX
   primitive and the code around it, without the enclosing jits."""
@@ -125,7 +139,7 @@ def short_source(op_name: str) -> str:
 
 def brief(measures: dict) -> dict:
   """A method's measures without the long kernel and host-event lists."""
-  return {k: v for k, v in measures.items() if k not in ("top", "host")}
+  return {k: v for k, v in measures.items() if k not in ("top", "by_source", "host")}
 
 
 def main(argv):
@@ -186,6 +200,10 @@ def main(argv):
     for t in out[m]["top"][:15]:
       print(f"  {t['us']:9.1f} us  x{t['launches']:<6} {t['kernel'][:60]}  "
             f"{t.get('source', '')[-110:]}")
+    if out[m].get("by_source"):
+      print("  by source:")
+      for t in out[m]["by_source"][:15]:
+        print(f"  {t['us']:9.1f} us  x{t['launches']:<6} {t['source'][:100]}")
     print("  host:")
     for t in out[m]["host"][:15]:
       print(f"  {t['us']:9.1f} us  x{t['count']:<6} {t['event'][:90]}")

@@ -19,3 +19,72 @@ def test_trace_step_profiles_both_steps_over_a_mesh(tmp_path):
     assert out[method]["step_ms"] > 0 and len(out[method]["step_ms_runs"]) == 3
     # the sharded target all-reduces: the host events of the trace show them
     assert any("all-reduce" in e["event"] for e in out[method]["host"])
+
+
+HLO = """HloModule jit_step
+
+ENTRY %main {
+  %fusion.3 = f32[4]{0} fusion(%p0), kind=kLoop, calls=%f, metadata={op_name="jit(step)/draft/add" stack_frame_id=3}
+  %gemm_fusion_dot.7 = f32[4]{0} fusion(%p1), kind=kCustom, metadata={op_name="jit(step)/verify/dot_general" stack_frame_id=1}
+  ROOT %copy.1 = f32[4]{0} copy(%fusion.3), metadata={op_name="jit(step)/commit/copy"}
+}
+
+FileNames
+1 "/src/dustin_jax/models/decoder.py"
+2 "/src/dustin_jax/speculative/step.py"
+
+FunctionNames
+1 "Block.finish"
+2 "RMSNorm.__call__"
+3 "draft_phase"
+
+FileLocations
+1 {file_name_id=2 function_name_id=3 line=148 end_line=148 column=1 end_column=2}
+2 {file_name_id=1 function_name_id=1 line=241 end_line=241 column=1 end_column=2}
+3 {file_name_id=1 function_name_id=2 line=131 end_line=131 column=1 end_column=2}
+
+StackFrames
+1 {file_location_id=1 parent_frame_id=1}
+2 {file_location_id=2 parent_frame_id=2}
+3 {file_location_id=3 parent_frame_id=3}
+"""
+
+
+def test_hlo_op_names_name_each_kernel_with_its_code():
+  from scripts.benchmarking import hlo_op_names, hlo_phases
+  names = hlo_op_names(HLO)
+  # frame 3's parent is frame 2 (the printer writes parent id + 1)
+  assert names["fusion_3"] == ("jit(step)/draft/add @ RMSNorm.__call__ decoder.py:131 "
+                               "< Block.finish decoder.py:241")
+  assert names["gemm_fusion_dot_7"] == "jit(step)/verify/dot_general @ draft_phase step.py:148"
+  assert names["copy_1"] == "jit(step)/commit/copy"
+  assert hlo_phases(HLO) == {"fusion_3": "draft", "gemm_fusion_dot_7": "verify",
+                             "copy_1": "commit"}
+
+
+def test_kernel_sources_and_time_by_source():
+  from scripts.benchmarking import hlo_op_names
+  from scripts.trace_step import short_source, time_by_source
+  names = hlo_op_names(HLO)
+  assert short_source(names["fusion_3"]) == ("draft/add @ RMSNorm.__call__ decoder.py:131 "
+                                             "< Block.finish decoder.py:241")
+  per = {"fusion_3": 3.0, "fusion_3_again": 0.0, "gemm_fusion_dot_7": 10.0, "my_pallas": 4.0}
+  count = {"fusion_3": 2, "fusion_3_again": 0, "gemm_fusion_dot_7": 1, "my_pallas": 1}
+  names["fusion_3_again"] = names["fusion_3"]
+  assert time_by_source(per, count, names) == [
+      dict(source="draft_phase", us=10.0, launches=1),
+      dict(source="my_pallas", us=4.0, launches=1),
+      dict(source="RMSNorm.__call__ < Block.finish", us=3.0, launches=2)]
+
+
+def test_trace_step_saves_the_compiled_hlo(tmp_path):
+  import gzip
+  argv = [sys.executable, "-m", "scripts.trace_step", "--smoke", "--methods=dustin",
+          "--save_hlo", f"--out_dir={tmp_path}", "--asrun_steps=1", "--steps=1"]
+  p = subprocess.run(argv, capture_output=True, text=True, timeout=600,
+                     env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  assert p.returncode == 0, p.stderr[-2000:]
+  text = gzip.open(tmp_path / "trace_step.json.hlo.txt.gz", "rt").read()
+  assert text.startswith("HloModule") and "StackFrames" in text
+  out = json.loads((tmp_path / "trace_step.json").read_text())
+  assert "vanilla" not in out and out["dustin"]["step_ms"] > 0
