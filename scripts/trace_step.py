@@ -9,7 +9,10 @@ run it (no profiler), then under the JAX profiler the GPU kernel time per
 kernel name (GPU busy time = the union of kernel intervals; launches) and
 the host time per traced host event (where dispatch time goes when the step
 is host-bound). Writes trace_step.json, with the dustin step's GPU time per phase (the
-step's named scopes).
+step's named scopes), each of its kernels' JAX source (`source`: the named
+scopes, primitive and function chain of its HLO instruction) and its GPU time
+summed by source function (`by_source`); `--save_hlo` also writes its
+compiled HLO.
 """
 
 from __future__ import annotations

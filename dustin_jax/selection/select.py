@@ -15,7 +15,8 @@ remaining slots are -1, so a budget >= context is exactly full verification.
 
 Ties are broken towards the lower position (`lax.top_k` on CPU, the exact
 Pallas top-k of `kernels.topk` on GPU; on TPU `select_topk` uses
-`lax.approx_max_k`, which gives no such guarantee). The result is ascending among the valid indices, -1 padding last.
+`lax.approx_max_k`, which gives no such guarantee). The result is ascending
+among the valid indices, -1 padding last.
 """
 
 from __future__ import annotations
