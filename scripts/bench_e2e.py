@@ -52,6 +52,8 @@ from scripts.benchmarking import (DeviceTimer, benchmark_pairs, compile_cache_fr
                                   write_json)
 
 flags.DEFINE_string("out_dir", "results/h200", "where e2e.json and e2e.png go")
+flags.DEFINE_string("json_name", "e2e.json", "the JSON's file name in out_dir (the PNG's: "
+                    "the same with .png); one per process when several write to one folder")
 flags.DEFINE_list("models", ["qwen7b", "llama3_8b"], "pairs of configs.shapes.PAIRS")
 flags.DEFINE_list("contexts", ["8192", "16384", "32768"], "context lengths")
 flags.DEFINE_list("batches", ["16", "8", "1"], "batch sizes")
@@ -241,7 +243,7 @@ def main(_):
   # the jitted call that follows loads that executable instead of compiling again
   compile_cache_from_flag()
   deadline = time.perf_counter() + FLAGS.time_budget_s
-  out_json = os.path.join(FLAGS.out_dir, "e2e.json")
+  out_json = os.path.join(FLAGS.out_dir, FLAGS.json_name)
   taus, tau_path = {}, FLAGS.tau_json  # (policy, gamma, budget) -> tau record
   if tau_path and os.path.exists(tau_path):
     with open(tau_path) as f:
