@@ -34,8 +34,8 @@ import jax
 import jax.numpy as jnp
 
 from dustin_jax.config import ModelConfig, append_xla_flags
-from scripts.benchmarking import (DeviceTimer, benchmark_pairs, compile_cache_from_flag, pyplot,
-                                  save_figure, write_json)
+from scripts.benchmarking import (DeviceTimer, benchmark_pairs, compile_cache_from_flag,
+                                  partial_products, pyplot, save_figure, write_json)
 
 flags.DEFINE_string("out_dir", "results/h200", "where gemm.json and gemm.png go")
 flags.DEFINE_list("models", ["qwen7b"], "benchmark pairs (configs.shapes.PAIRS)")
@@ -56,18 +56,6 @@ def plain_dot(x, w):
   convert), beside `Linear`'s bias-free projections, which ask the GEMM for
   bf16 directly (dustin_jax/models/decoder.py)."""
   return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
-
-
-def partial_products(x, w, parts: int):
-  """`x [M, K] @ w [K, N]` as f32 [parts, M, N]: part p the product of the
-  input slice [p K / parts, (p + 1) K / parts), one batched GEMM. At a few
-  rows XLA splits a GEMM's input dimension itself and sums the partials in
-  a separate kernel; this is the product a consumer that sums the partials
-  itself would read."""
-  k = x.shape[-1]
-  xs = x.reshape(*x.shape[:-1], parts, k // parts)
-  return jnp.einsum("...pk,pkn->p...n", xs, w.reshape(parts, k // parts, w.shape[-1]),
-                    preferred_element_type=jnp.float32)
 
 
 def launches_per_call(fn, args) -> int:

@@ -32,7 +32,7 @@ def test_partial_products_sum_to_the_product():
   import jax
   import jax.numpy as jnp
   import numpy as np
-  from scripts.bench_gemm import partial_products
+  from scripts.benchmarking import partial_products
   x = jax.random.normal(jax.random.key(0), (5, 96), jnp.float32)
   w = jax.random.normal(jax.random.key(1), (96, 40), jnp.float32)
   parts = partial_products(x, w, 4)
