@@ -40,7 +40,7 @@ from jax import lax
 import jax.numpy as jnp
 import numpy as np
 
-from dustin_jax import sharding, weights
+from dustin_jax import weights
 from dustin_jax.assets import ensure_model
 from dustin_jax.cache import KVCache
 from dustin_jax.config import ModelConfig
@@ -48,8 +48,9 @@ from dustin_jax.decoding import Model
 from dustin_jax.models import prefill as lm
 from dustin_jax.profiling.runtime import REAL_DRAFT, REAL_TARGET
 from kernels.prefill_attention.reference import prefill_attention_reference
-from scripts.benchmarking import (benchmark_pairs, compile_cache_from_flag, median_seconds, pyplot,
-                                  random_model, save_figure, write_json)
+from scripts.benchmarking import (benchmark_pairs, capacity_bytes, compile_cache_from_flag,
+                                  median_seconds, need_bytes, pyplot, random_model, save_figure,
+                                  write_json)
 
 flags.DEFINE_string("out", "results/h200/prefill.json", "JSON records; the PNG goes beside it")
 flags.DEFINE_list("pairs", ["qwen7b", "llama3_8b"], "benchmark pairs (configs.shapes.PAIRS)")
@@ -69,31 +70,6 @@ flags.DEFINE_integer("warmup", -1, "untimed calls after compiling (-1: 1 on GPU/
 flags.DEFINE_float("time_budget_s", 0, "stop starting new configurations after this long (0: none)")
 flags.DEFINE_bool("smoke", False, "tiny random pair (configs.tiny), for the CPU schema test")
 FLAGS = flags.FLAGS
-
-
-def capacity_bytes():
-  """Memory one configuration may use: the first device's (GPU/TPU) or the
-  host's available memory (CPU)."""
-  device = sharding.device_capacity()
-  if device:
-    return device
-  with open("/proc/meminfo") as f:
-    info = dict(line.split(":", 1) for line in f)
-  return int(info["MemAvailable"].split()[0]) * 1024
-
-
-def need_bytes(cfg, batch, s, token_block, itemsize):
-  """Estimated peak bytes of one model's prefill: weights, cache, the
-  activations of one layer over the whole batch (x, q, k, v, attention out,
-  next x, with f32 attention copies on the reference path), one tile of the
-  MLP."""
-  n = batch * s
-  weights = cfg.num_params() * itemsize
-  cache = 2 * cfg.num_layers * batch * cfg.num_kv_heads * s * cfg.head_dim * itemsize
-  qd, kd = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-  acts = n * (2 * cfg.hidden_size + 2 * qd + 2 * kd) * itemsize + n * (2 * qd + 2 * kd) * 4
-  tile = 3 * min(token_block, n) * cfg.intermediate_size * itemsize
-  return weights + cache + acts + tile
 
 
 def make_prompts(batch, context, vocab, seed, ragged):

@@ -28,7 +28,7 @@ from dustin_jax.cache import KVCache, cache_shardings
 from dustin_jax.compilation import use_compile_cache
 from dustin_jax.config import ModelConfig
 from dustin_jax.decoding import DecodeState, Model
-from dustin_jax.sharding import shard_batch_tree
+from dustin_jax.sharding import device_capacity, shard_batch_tree
 from dustin_jax.speculative.step import SpecConfig, SpecState
 from dustin_jax.weights import place_model, random_fill, random_params
 
@@ -388,3 +388,49 @@ def partial_products(x, w, parts: int):
   xs = x.reshape(*x.shape[:-1], parts, k // parts)
   return jnp.einsum("...pk,pkn->p...n", xs, w.reshape(parts, k // parts, w.shape[-1]),
                     preferred_element_type=jnp.float32)
+
+
+def capacity_bytes():
+  """Memory one configuration may use: the first device's (GPU/TPU) or the
+  host's available memory (CPU)."""
+  device = device_capacity()
+  if device:
+    return device
+  with open("/proc/meminfo") as f:
+    info = dict(line.split(":", 1) for line in f)
+  return int(info["MemAvailable"].split()[0]) * 1024
+
+
+def need_bytes(cfg, batch, s, token_block, itemsize):
+  """Estimated peak bytes of one model's prefill: weights, cache, the
+  activations of one layer over the whole batch (x, q, k, v, attention out,
+  next x, with f32 attention copies on the reference path), one tile of the
+  MLP."""
+  n = batch * s
+  weights = cfg.num_params() * itemsize
+  cache = 2 * cfg.num_layers * batch * cfg.num_kv_heads * s * cfg.head_dim * itemsize
+  qd, kd = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+  acts = n * (2 * cfg.hidden_size + 2 * qd + 2 * kd) * itemsize + n * (2 * qd + 2 * kd) * 4
+  tile = 3 * min(token_block, n) * cfg.intermediate_size * itemsize
+  return weights + cache + acts + tile
+
+
+def time_by_source(per: dict, count: dict, source_of: dict) -> list[dict]:
+  """GPU us and launches per step summed by the code a kernel comes from:
+  the function chain of its `op_name` (`hlo_op_names`: "RMSNorm.__call__ <
+  Block.finish"), else its kernel name (a Pallas kernel); largest first."""
+  us, n = collections.Counter(), collections.Counter()
+  for kernel, t in per.items():
+    where = source_of.get(kernel, "").partition(" @ ")[2]
+    key = " < ".join(f.split(" ")[0] for f in where.split(" < ")) if where else kernel
+    us[key] += t
+    n[key] += count[kernel]
+  return [dict(source=k, us=round(v, 1), launches=round(n[k], 1)) for k, v in us.most_common()]
+
+
+def short_source(op_name: str) -> str:
+  """The last scopes of a kernel's `op_name` (`hlo_op_names`): the JAX
+  primitive and the code around it, without the enclosing jits."""
+  path, _, where = op_name.partition(" @ ")
+  parts = [p for p in path.split("/") if not p.startswith("jit(")]
+  return "/".join(parts[-4:]) + (f" @ {where}" if where else "")

@@ -35,15 +35,12 @@ from absl import flags
 import numpy as np
 
 from dustin_jax.assets import cache_root
-from dustin_jax.decoding import DecodeStats
 from dustin_jax.eval import tasks as tasklib
 from dustin_jax.eval.texts import read_text
-from dustin_jax.loop import decode_loop
-from dustin_jax.profiling.runtime import (QWEN_EOS, fresh_state, load_pair, prefill_base,
-                                          release_host_memory, run_policy, text_prompt)
+from dustin_jax.profiling.runtime import (QWEN_EOS, load_pair, prefill_base, release_host_memory,
+                                          run_policy, sparse_ppl, text_prompt)
 from dustin_jax.selection.policies import policy_from_config
 from dustin_jax.selection.srh import load_srh
-from dustin_jax.speculative.step import SpecConfig, StepOptions, bind_spec_step
 from scripts.benchmarking import compile_cache_from_flag, pyplot, save_figure, write_json
 
 FLAGS = flags.FLAGS
@@ -171,32 +168,6 @@ def run_tau(pair):
       print(f"{name:14s} gamma={gamma} budget={b}: tau={s.tau:.3f} acc={s.acceptance_rate:.3f} "
             f"({time.perf_counter() - t1:.1f} s)", flush=True)
   print(f"tau table: {time.perf_counter() - t0:.1f} s -> {FLAGS.tau_out}", flush=True)
-
-
-# ------------------------------------------------------- sparse perplexity
-def sparse_ppl(pair, base, policy, refs, gamma, return_top1=False):
-  """Teacher-forced perplexity of `refs[b]` (the real continuation of each
-  prompt) when every block of gamma+1 tokens is verified with the policy's
-  I_verify: the speculative step with `StepOptions(teacher_forced=True)`
-  (the draft's guesses replaced by the real tokens; the whole block
-  committed). Returns (ppl, n tokens) and, with `return_top1`, the target's
-  argmax at every scored position (per sequence)."""
-  n_blocks = min(len(r) for r in refs) // (gamma + 1)
-  blocks = [np.asarray([r[i * (gamma + 1):(i + 1) * (gamma + 1)] for r in refs], np.int32)
-            for i in range(n_blocks)]
-  nll, top1 = [], []
-  def on_output(out):
-    nll.append(np.asarray(out.nll))
-    top1.append(np.asarray(out.target_top1))
-  step = bind_spec_step(pair.target, pair.draft, SpecConfig(gamma=gamma, policy=policy),
-                        StepOptions(teacher_forced=True))
-  decode_loop(step, fresh_state(base, policy, n_blocks * (gamma + 1)), DecodeStats(gamma=gamma),
-              inputs=blocks, on_output=on_output)
-  count = sum(x.size for x in nll)
-  result = (float(np.exp(sum(x.sum() for x in nll) / max(count, 1))), count)
-  if not return_top1:
-    return result
-  return result + (np.concatenate(top1, axis=1).tolist() if top1 else [[] for _ in refs],)
 
 
 # ------------------------------------------------------------ main evaluation

@@ -37,8 +37,8 @@ from dustin_jax.speculative.step import SpecConfig, bind_spec_step
 from dustin_jax.vanilla import VanillaState, bind_vanilla_step
 from scripts.benchmarking import (attribute_phases, busy_time, compile_cache_from_flag,
                                   device_events, fresh_decode_state, hlo_op_names, hlo_phases,
-                                  load_trace_events,
-                                  random_cache, random_model, spec_state_at, write_json)
+                                  load_trace_events, random_cache, random_model, short_source,
+                                  spec_state_at, time_by_source, write_json)
 
 flags.DEFINE_string("out_dir", "results/h200", "where trace_step.json goes")
 flags.DEFINE_string("model", "qwen7b", "target + draft shapes: qwen7b, llama3_8b or qwen72b")
@@ -117,27 +117,6 @@ def host_event_summary(ev, dev, steps):
     per[name] += e.get("dur", 0) / steps
     count[name] += 1 / steps
   return [dict(event=k, us=round(v, 1), count=round(count[k], 1)) for k, v in per.most_common()]
-
-
-def time_by_source(per: dict, count: dict, source_of: dict) -> list[dict]:
-  """GPU us and launches per step summed by the code a kernel comes from:
-  the function chain of its `op_name` (`hlo_op_names`: "RMSNorm.__call__ <
-  Block.finish"), else its kernel name (a Pallas kernel); largest first."""
-  us, n = collections.Counter(), collections.Counter()
-  for kernel, t in per.items():
-    where = source_of.get(kernel, "").partition(" @ ")[2]
-    key = " < ".join(f.split(" ")[0] for f in where.split(" < ")) if where else kernel
-    us[key] += t
-    n[key] += count[kernel]
-  return [dict(source=k, us=round(v, 1), launches=round(n[k], 1)) for k, v in us.most_common()]
-
-
-def short_source(op_name: str) -> str:
-  """The last scopes of a kernel's `op_name` (`hlo_op_names`): the JAX
-  primitive and the code around it, without the enclosing jits."""
-  path, _, where = op_name.partition(" @ ")
-  parts = [p for p in path.split("/") if not p.startswith("jit(")]
-  return "/".join(parts[-4:]) + (f" @ {where}" if where else "")
 
 
 def brief(measures: dict) -> dict:

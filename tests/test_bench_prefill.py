@@ -35,7 +35,7 @@ def test_memory_estimate_skips_what_does_not_fit():
   code = """
 from configs import shapes
 from dustin_jax.config import ModelConfig
-from scripts.bench_prefill import need_bytes
+from scripts.benchmarking import need_bytes
 t = ModelConfig.from_hf(dict(shapes.QWEN25_7B), dtype="bfloat16")
 print(need_bytes(t, 16, 32768, 8192, 2))
 """

@@ -96,11 +96,10 @@ def test_sparse_ppl_of_full_and_of_a_covering_budget_equals_the_plain_forward():
   import jax.numpy as jnp
   from flax import nnx
   from dustin_jax.cache import KVCache
-  from dustin_jax.profiling.runtime import load_pair, prefill_base
+  from dustin_jax.profiling.runtime import load_pair, prefill_base, sparse_ppl
   from dustin_jax.selection.policies import make_policy
   from dustin_jax.selection.base import FullCache
   sys.path.insert(0, ROOT)
-  from scripts.eval_longctx import sparse_ppl
   pair = load_pair("tiny")
   rng = np.random.default_rng(0)
   ctx, gamma = 40, 3

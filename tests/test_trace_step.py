@@ -63,8 +63,7 @@ def test_hlo_op_names_name_each_kernel_with_its_code():
 
 
 def test_kernel_sources_and_time_by_source():
-  from scripts.benchmarking import hlo_op_names
-  from scripts.trace_step import short_source, time_by_source
+  from scripts.benchmarking import hlo_op_names, short_source, time_by_source
   names = hlo_op_names(HLO)
   assert short_source(names["fusion_3"]) == ("draft/add @ RMSNorm.__call__ decoder.py:131 "
                                              "< Block.finish decoder.py:241")

@@ -9,6 +9,8 @@
 * `run_policy`: speculative decoding from such a state through the one step
   and the one loop, optionally with the ARR measured at every step
   (`StepOptions`), with per-step hooks;
+* `sparse_ppl`: teacher-forced perplexity of real continuations verified
+  against a policy's subset;
 * `evaluate_arr`: speculative decoding of prompts with the ARR measured;
 * `text_prompt`: a prompt cut from a real text at a random line start.
 """
@@ -289,6 +291,31 @@ def run_policy(pair: Pair, base: Base, policy, *, gamma: int, max_new_tokens: in
                           on_step=on_step, on_output=meter, progress=progress,
                           total=max_new_tokens * b, desc=f"{policy.name} g{gamma}")
   return RunResult(tokens, stats, meter.mean, meter.n)
+
+
+def sparse_ppl(pair, base, policy, refs, gamma, return_top1=False):
+  """Teacher-forced perplexity of `refs[b]` (the real continuation of each
+  prompt) when every block of gamma+1 tokens is verified with the policy's
+  I_verify: the speculative step with `StepOptions(teacher_forced=True)`
+  (the draft's guesses replaced by the real tokens; the whole block
+  committed). Returns (ppl, n tokens) and, with `return_top1`, the target's
+  argmax at every scored position (per sequence)."""
+  n_blocks = min(len(r) for r in refs) // (gamma + 1)
+  blocks = [np.asarray([r[i * (gamma + 1):(i + 1) * (gamma + 1)] for r in refs], np.int32)
+            for i in range(n_blocks)]
+  nll, top1 = [], []
+  def on_output(out):
+    nll.append(np.asarray(out.nll))
+    top1.append(np.asarray(out.target_top1))
+  step = bind_spec_step(pair.target, pair.draft, SpecConfig(gamma=gamma, policy=policy),
+                        StepOptions(teacher_forced=True))
+  decode_loop(step, fresh_state(base, policy, n_blocks * (gamma + 1)), DecodeStats(gamma=gamma),
+              inputs=blocks, on_output=on_output)
+  count = sum(x.size for x in nll)
+  result = (float(np.exp(sum(x.sum() for x in nll) / max(count, 1))), count)
+  if not return_top1:
+    return result
+  return result + (np.concatenate(top1, axis=1).tolist() if top1 else [[] for _ in refs],)
 
 
 def evaluate_arr(target: Model, draft: Model, prompts: Sequence[Sequence[int]], *,
