@@ -169,6 +169,8 @@ def test_memory_plan_counts_the_prefill_activations():
     sharding.check_fits(small)
 
 
+# random weights of a 72B layer and vocabulary: ~1 min on 2 cores
+@pytest.mark.slow
 def test_cli_72b_shape_reduced_layers_runs_a_step_on_8_devices(tmp_path, capsys):
   """The 72B layer shapes, one layer each, on 8 simulated devices (1 x 8 mesh)."""
   from configs import qwen72b

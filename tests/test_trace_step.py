@@ -5,7 +5,11 @@ import os
 import subprocess
 import sys
 
+import pytest
 
+
+# a subprocess that compiles and profiles both steps twice over a mesh: ~1 min on 2 cores
+@pytest.mark.slow
 def test_trace_step_profiles_both_steps_over_a_mesh(tmp_path):
   argv = [sys.executable, "-m", "scripts.trace_step", "--smoke", "--mesh_model=2",
           f"--out_dir={tmp_path}", "--asrun_steps=2", "--steps=1"]
