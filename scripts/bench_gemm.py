@@ -10,7 +10,8 @@ the verify's merged q/k/v at ~35%; this measures them one by one.
 Times, in one process: each projection of a benchmark pair
 (`configs.shapes.PAIRS`; `--ways` > 1: one tensor-parallel shard) at each row
 count, as one product (`plain_dot`: bf16 in, f32 accumulation, cast to bf16;
-the bias and activation epilogues XLA fuses in the model are left out),
+the bias and activation epilogues XLA fuses in the model are left out;
+`--impls=mgpu`: also the Mosaic GPU kernel of `kernels.skinny_matmul`),
 against a jnp copy's bandwidth measured in the same run. Each timed jit holds enough distinct
 weight copies to overflow the L2 cache, as a model's layers do. GPU time
 from the profiler trace (`scripts.benchmarking.DeviceTimer`), else wall
@@ -34,6 +35,7 @@ import jax
 import jax.numpy as jnp
 
 from dustin_jax.config import ModelConfig, append_xla_flags
+from kernels.skinny_matmul.ops import skinny_matmul
 from scripts.benchmarking import (DeviceTimer, benchmark_pairs, compile_cache_from_flag,
                                   partial_products, pyplot, save_figure, write_json)
 
@@ -44,6 +46,10 @@ flags.DEFINE_integer("ways", 1, "tensor-parallel ways: time one device's shard")
 flags.DEFINE_list("parts", ["1"], "each projection also as this many f32 partial products over "
                   "slices of K (`partial_products`: a consumer would sum them); 1: the plain "
                   "product")
+flags.DEFINE_list("impls", ["xla"], "xla: jnp.dot (XLA's GEMMs); mgpu: the Mosaic GPU kernel of "
+                  "kernels.skinny_matmul (Hopper GPUs), once per --mgpu_tilings")
+flags.DEFINE_list("mgpu_tilings", ["64:64:4"], "tile_n:tile_k:stages of the mgpu kernel; shapes "
+                  "a tiling does not divide are left out")
 flags.DEFINE_integer("flush_mb", 256, "weight bytes per timed jit (> L2: no cache reuse)")
 flags.DEFINE_integer("repeats", 5, "timed calls per measurement (median)")
 flags.DEFINE_string("xla_flags", "", "appended to XLA_FLAGS before jax starts")
@@ -56,6 +62,32 @@ def plain_dot(x, w):
   convert), beside `Linear`'s bias-free projections, which ask the GEMM for
   bf16 directly (dustin_jax/models/decoder.py)."""
   return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
+
+
+def variants(k: int, n: int):
+  """(record fields, fn(xs, ws)) of each way to time a [rows, k] x [k, n]
+  product: XLA's GEMM as one product or as `--parts` partial products, and
+  the Mosaic GPU kernel at each `--mgpu_tilings` that divides the shape."""
+  for impl in FLAGS.impls:
+    if impl == "xla":
+      for parts in (int(p) for p in FLAGS.parts):
+        if k % parts:
+          continue
+        if parts == 1:
+          fn = lambda xs, ws: [plain_dot(x, w) for x, w in zip(xs, ws)]
+        else:
+          fn = lambda xs, ws, parts=parts: [partial_products(x, w, parts)
+                                            for x, w in zip(xs, ws)]
+        yield dict(impl=impl, parts=parts, tiling=""), fn
+    elif impl == "mgpu":
+      for tiling in FLAGS.mgpu_tilings:
+        tile_n, tile_k, stages = (int(t) for t in tiling.split(":"))
+        if k % tile_k or n % tile_n:
+          continue
+        tiles = dict(tile_n=tile_n, tile_k=tile_k, stages=stages)
+        fn = lambda xs, ws, tiles=tiles: [skinny_matmul(x, w, impl="gpu", **tiles)
+                                          for x, w in zip(xs, ws)]
+        yield dict(impl=impl, parts=1, tiling=tiling), fn
 
 
 def launches_per_call(fn, args) -> int:
@@ -84,6 +116,12 @@ def projections(cfg, ways: int) -> dict[str, tuple[int, int]]:
 def main(argv):
   del argv
   append_xla_flags(FLAGS.xla_flags)
+  if set(FLAGS.impls) - {"xla", "mgpu"}:
+    raise app.UsageError(f"--impls: unknown {sorted(set(FLAGS.impls) - {'xla', 'mgpu'})} "
+                         "(xla, mgpu)")
+  if "mgpu" in FLAGS.impls and jax.default_backend() != "gpu":
+    raise app.UsageError("--impls=mgpu times the Mosaic GPU kernel: it needs a Hopper GPU "
+                         "(tests/kernels/test_skinny_matmul.py runs it in interpret mode on CPU)")
   compile_cache_from_flag()
   out_json = os.path.join(FLAGS.out_dir, "gemm.json")
   dtype = jnp.bfloat16
@@ -127,24 +165,18 @@ def main(argv):
         ws = [jax.random.normal(kk, (k, n_out), dtype) * 0.02 for kk in jax.random.split(kw, copies)]
         for rows in (int(r) for r in FLAGS.rows):
           xs = [jax.random.normal(kk, (rows, k), dtype) for kk in jax.random.split(kx, copies)]
-          for parts in (int(p) for p in FLAGS.parts):
-            if k % parts:
-              continue
-            if parts == 1:
-              fn = lambda xs, ws: [plain_dot(x, w) for x, w in zip(xs, ws)]
-            else:
-              fn = lambda xs, ws, parts=parts: [partial_products(x, w, parts)
-                                                for x, w in zip(xs, ws)]
+          for variant, fn in variants(k, n_out):
             dev_ms, wall_ms = timed(fn, (xs, ws))
             us = 1e3 * (dev_ms or wall_ms) / copies
             rec = dict(meta, kernel="gemm", model=name, role=role, proj=proj, k=k, n=n_out,
-                       rows=rows, parts=parts, weight_bytes=wbytes, copies=copies, us=us,
+                       rows=rows, **variant, weight_bytes=wbytes, copies=copies, us=us,
                        kernels_per_product=launches_per_call(fn, (xs, ws)) / copies,
                        gpu=dev_ms is not None, tbs=wbytes / (us * 1e-6) / 1e12)
             rec["bw_frac"] = rec["tbs"] / copy_tbs
             records.append(rec)
             print(f"{name} {role:6s} {proj:8s} K={k:6d} N={n_out:6d} rows={rows:3d} "
-                  f"parts={parts:2d} {us:8.2f} us  {rec['bw_frac']:6.0%} of copy BW  "
+                  f"{variant['impl']:4s} parts={variant['parts']:2d} {variant['tiling']:9s} "
+                  f"{us:8.2f} us  {rec['bw_frac']:6.0%} of copy BW  "
                   f"{rec['kernels_per_product']:.1f} kernels", flush=True)
           del xs
         del ws
@@ -154,9 +186,10 @@ def main(argv):
 
 
 def save_plot(records, path):
-  """Share of the copy bandwidth per projection and row count; a row of
-  panels per model, a column per role."""
-  gemms = [r for r in records if r["kernel"] == "gemm"]
+  """Share of the copy bandwidth of XLA's GEMM (one product) per projection
+  and row count; a row of panels per model, a column per role."""
+  gemms = [r for r in records if r["kernel"] == "gemm" and r.get("impl", "xla") == "xla"
+           and r.get("parts", 1) == 1]
   models = sorted({r["model"] for r in gemms})
   roles = sorted({r["role"] for r in gemms}, reverse=True)  # target, draft
   if not models:

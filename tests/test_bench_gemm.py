@@ -52,3 +52,12 @@ def test_bench_gemm_parts_records(tmp_path):
   # every projection of the tiny pair (K a multiple of 4) once per parts value
   assert sorted({r["parts"] for r in gemms}) == [1, 4]
   assert len(gemms) == 2 * 2 * 5 and all(r["kernels_per_product"] >= 0 for r in gemms)
+
+
+def test_bench_gemm_refuses_the_mosaic_gpu_kernel_off_a_gpu(tmp_path):
+  argv = [sys.executable, "-m", "scripts.bench_gemm", "--smoke", f"--out_dir={tmp_path}",
+          "--impls=xla,mgpu"]
+  p = subprocess.run(argv, capture_output=True, text=True, timeout=600,
+                     env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  assert p.returncode != 0 and "needs a Hopper GPU" in p.stderr
+  assert not (tmp_path / "gemm.json").exists()
