@@ -24,7 +24,7 @@ def script_imports(path: pathlib.Path) -> set[str]:
 
 
 def test_script_modules_imported_by_tests_define_each_flag_once():
-  todo = set().union(*(script_imports(p) for p in (ROOT / "tests").glob("*.py")))
+  todo = set().union(*(script_imports(p) for p in (ROOT / "tests").rglob("*.py")))
   assert {"benchmarking", "decode"} <= todo
   seen = set()
   while todo:
