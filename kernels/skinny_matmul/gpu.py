@@ -1,12 +1,16 @@
 """Mosaic GPU kernel of ``skinny_matmul`` for Hopper (WGMMA, TMA).
 
-One program per tile of ``tile_n`` output columns: the rows, padded to a
-multiple of 64 (WGMMA's row operand), and the weight's column tile stream
-through shared memory ``tile_k`` deep, ``stages`` copies in flight
-(``plgpu.emit_pipeline``); the f32 accumulator stays in registers; the
-epilogue scales each row, adds the bias and writes the tile once. The
-padding rows cost tensor-core work only: at these row counts the kernel is
-bound by the weight's bytes, not by its FLOPs.
+One program per tile of ``tile_n`` output columns and slice of K (``splits``
+slices): the rows, padded to a multiple of 64 (WGMMA's row operand), and the
+weight's column tile stream through shared memory ``tile_k`` deep, ``stages``
+copies in flight (``plgpu.emit_pipeline``); the f32 accumulator stays in
+registers. With one slice the epilogue scales each row, adds the bias and
+writes the tile once. With several, each program writes its f32 partial
+product and the consumer sums them: the skinny projections of a small model
+(N = 896 columns: 14 tiles) need K split to give the GPU's 132 SMs work,
+and a sum over a few partials fuses into the elementwise kernel that reads
+the projection anyway. The padding rows cost tensor-core work only: at
+these row counts the kernel is bound by the weight's bytes, not its FLOPs.
 """
 from __future__ import annotations
 
@@ -38,6 +42,30 @@ def _smem_transforms(cols: int, itemsize: int):
   return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
 
 
+def _pipelined_product(acc, x_gmem, w_gmem, *, rows, k_steps, k_first, j, tile_n, tile_k,
+                       stages, itemsize):
+  """acc += x[:, K slice] @ w[K slice, column tile j], the K slice being
+  `k_steps` tiles from tile `k_first`, streamed through shared memory."""
+  def step(_, x_smem, w_smem):
+    plgpu.wgmma(acc, x_smem, w_smem)
+    plgpu.wgmma_wait(0)
+
+  plgpu.emit_pipeline(
+      step, grid=(k_steps,),
+      in_specs=[plgpu.BlockSpec((rows, tile_k), lambda kk: (0, k_first + kk),
+                                transforms=_smem_transforms(tile_k, itemsize)),
+                plgpu.BlockSpec((tile_k, tile_n), lambda kk: (k_first + kk, j),
+                                transforms=_smem_transforms(tile_n, itemsize))],
+      max_concurrent_steps=stages)(x_gmem, w_gmem)
+
+
+def _kernel(body, out_type, grid, grid_names, interpret):
+  return plgpu.kernel(
+      body, out_type=out_type, grid=grid, grid_names=grid_names,
+      compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+      **({"interpret": interpret_params()} if interpret else {}))
+
+
 @functools.partial(jax.jit, static_argnames=("tile_n", "tile_k", "stages", "interpret"))
 def skinny_matmul_gpu(x, w, row_scale, bias, *, tile_n: int = 64, tile_k: int = 64,
                       stages: int = 4, interpret: bool = False) -> jax.Array:
@@ -51,8 +79,6 @@ def skinny_matmul_gpu(x, w, row_scale, bias, *, tile_n: int = 64, tile_k: int = 
   n = w.shape[1]
   rows = round_up(m, ROWS)
   itemsize = jnp.dtype(x.dtype).itemsize
-  x_transforms = _smem_transforms(tile_k, itemsize)
-  w_transforms = _smem_transforms(tile_n, itemsize)
 
   def body(x_gmem, w_gmem, scale_gmem, bias_gmem, out_gmem):
     j = jax.lax.axis_index("n")
@@ -64,17 +90,9 @@ def skinny_matmul_gpu(x, w, row_scale, bias, *, tile_n: int = 64, tile_k: int = 
       plgpu.copy_gmem_to_smem(bias_gmem.at[cols], bias_smem, barriers.at[1])
 
       def accumulator_scope(acc):
-        def step(_, x_smem, w_smem):
-          plgpu.wgmma(acc, x_smem, w_smem)
-          plgpu.wgmma_wait(0)
-
-        plgpu.emit_pipeline(
-            step, grid=(k // tile_k,),
-            in_specs=[plgpu.BlockSpec((rows, tile_k), lambda kk: (0, kk),
-                                      transforms=x_transforms),
-                      plgpu.BlockSpec((tile_k, tile_n), lambda kk: (kk, j),
-                                      transforms=w_transforms)],
-            max_concurrent_steps=stages)(x_gmem, w_gmem)
+        _pipelined_product(acc, x_gmem, w_gmem, rows=rows, k_steps=k // tile_k, k_first=0,
+                           j=j, tile_n=tile_n, tile_k=tile_k, stages=stages,
+                           itemsize=itemsize)
         plgpu.barrier_wait(barriers.at[0])
         plgpu.barrier_wait(barriers.at[1])
         shape = (rows, tile_n)
@@ -88,11 +106,36 @@ def skinny_matmul_gpu(x, w, row_scale, bias, *, tile_n: int = 64, tile_k: int = 
     pl.run_scoped(epilogue_scope, plgpu.SMEM((rows,), jnp.float32),
                   plgpu.SMEM((tile_n,), jnp.float32), plgpu.Barrier(num_barriers=2))
 
-  kernel = plgpu.kernel(
-      body, out_type=jax.ShapeDtypeStruct((rows, n), x.dtype), grid=(n // tile_n,),
-      grid_names=("n",),
-      compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-      **({"interpret": interpret_params()} if interpret else {}))
+  kernel = _kernel(body, jax.ShapeDtypeStruct((rows, n), x.dtype), (n // tile_n,), ("n",),
+                   interpret)
   x_rows = jnp.pad(x, ((0, rows - m), (0, 0)))
   scale_rows = jnp.pad(row_scale.astype(jnp.float32), (0, rows - m))
   return kernel(x_rows, w, scale_rows, bias.astype(jnp.float32))[:m]
+
+
+@functools.partial(jax.jit, static_argnames=("splits", "tile_n", "tile_k", "stages",
+                                             "interpret"))
+def skinny_matmul_partials_gpu(x, w, *, splits: int, tile_n: int = 64, tile_k: int = 64,
+                               stages: int = 4, interpret: bool = False) -> jax.Array:
+  """f32 partial products [splits, M, N] of x [M, K] @ w [K, N] over
+  `splits` equal slices of K (their sum is the product). K must be a
+  multiple of ``splits * tile_k`` and N of ``tile_n``."""
+  m, k = x.shape
+  n = w.shape[1]
+  rows = round_up(m, ROWS)
+  k_steps = k // (tile_k * splits)
+
+  def body(x_gmem, w_gmem, out_gmem):
+    j, s = jax.lax.axis_index("n"), jax.lax.axis_index("s")
+
+    def accumulator_scope(acc):
+      _pipelined_product(acc, x_gmem, w_gmem, rows=rows, k_steps=k_steps, k_first=s * k_steps,
+                         j=j, tile_n=tile_n, tile_k=tile_k, stages=stages,
+                         itemsize=jnp.dtype(x.dtype).itemsize)
+      out_gmem.at[s][:, pl.ds(j * tile_n, tile_n)] = acc[...]
+
+    pl.run_scoped(accumulator_scope, plgpu.ACC((rows, tile_n), jnp.float32))
+
+  kernel = _kernel(body, jax.ShapeDtypeStruct((splits, rows, n), jnp.float32),
+                   (n // tile_n, splits), ("n", "s"), interpret)
+  return kernel(jnp.pad(x, ((0, rows - m), (0, 0))), w)[:, :m]

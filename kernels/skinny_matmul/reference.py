@@ -23,3 +23,14 @@ def skinny_matmul_reference(x, w, row_scale=None, bias=None) -> jax.Array:
   if bias is not None:
     y = y + bias.astype(jnp.float32)[None, :]
   return y.astype(x.dtype)
+
+
+def skinny_matmul_partials_reference(x, w, splits: int) -> jax.Array:
+  """f32 [splits, M, N]: slice s is x[:, K_s] @ w[K_s, :] over the s-th of
+  `splits` equal slices of K."""
+  m, k = x.shape
+  if k % splits:
+    raise ValueError(f"skinny_matmul: K={k} does not split into {splits} equal slices")
+  xs = x.reshape(m, splits, k // splits)
+  ws = w.reshape(splits, k // splits, w.shape[1])
+  return jnp.einsum("msk,skn->smn", xs, ws, preferred_element_type=jnp.float32)

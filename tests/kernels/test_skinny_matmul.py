@@ -10,8 +10,9 @@ import pytest
 import jax
 import jax.numpy as jnp
 
-from kernels.skinny_matmul.ops import skinny_matmul
-from kernels.skinny_matmul.reference import skinny_matmul_reference
+from kernels.skinny_matmul.ops import skinny_matmul, skinny_matmul_partials
+from kernels.skinny_matmul.reference import (skinny_matmul_partials_reference,
+                                             skinny_matmul_reference)
 from kernel_cases import ON_GPU
 
 
@@ -40,6 +41,16 @@ def test_reference_is_the_scaled_biased_product():
                                                ).astype(jnp.bfloat16))
 
 
+def test_partials_reference_sums_to_the_product():
+  x, w, _, _ = operands(5, 96, 40)
+  parts = skinny_matmul_partials_reference(x, w, 4)
+  assert parts.shape == (4, 5, 40) and parts.dtype == jnp.float32
+  xf, wf = np.asarray(x, np.float32), np.asarray(w, np.float32)
+  # part p is the product of the p-th slice of K
+  np.testing.assert_allclose(parts[2], xf[:, 48:72] @ wf[48:72], rtol=1e-4, atol=1e-4)
+  np.testing.assert_allclose(parts.sum(0), xf @ wf, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.skipif(ON_GPU, reason="interpret mode is the CPU's way to run the kernel")
 @pytest.mark.parametrize("m,k,n,tile_n,epilogue", [
     (16, 256, 128, 64, True),    # a draft pass's rows, two column tiles
@@ -53,23 +64,40 @@ def test_gpu_kernel_interpret(m, k, n, tile_n, epilogue):
   assert_close(out, skinny_matmul_reference(*args))
 
 
-@pytest.mark.parametrize("m,k,n", [(16, 896, 1152), (80, 3584, 4608)],
-                         ids=["draft-0.5b-qkv", "verify-7b-qkv"])
-def test_lowers_for_cuda(m, k, n):
+@pytest.mark.skipif(ON_GPU, reason="interpret mode is the CPU's way to run the kernel")
+@pytest.mark.parametrize("m,splits", [(16, 2), (5, 4)])
+def test_partials_kernel_interpret(m, splits):
+  x, w, scale, bias = operands(m, 256, 128, seed=splits)
+  parts = skinny_matmul_partials(x, w, splits=splits, impl="gpu", interpret=True, stages=2)
+  want = skinny_matmul_partials_reference(x, w, splits)
+  assert parts.shape == want.shape and parts.dtype == jnp.float32
+  np.testing.assert_allclose(np.asarray(parts), np.asarray(want), rtol=1e-4, atol=1e-4)
+  # summed, with the epilogue XLA applies after the sum
+  assert_close(skinny_matmul(x, w, scale, bias, impl="gpu", interpret=True, stages=2,
+                             splits=splits),
+               skinny_matmul_reference(x, w, scale, bias))
+
+
+@pytest.mark.parametrize("m,k,n,splits", [(16, 896, 1152, 1), (80, 3584, 4608, 1),
+                                          (16, 4864, 896, 4)],
+                         ids=["draft-0.5b-qkv", "verify-7b-qkv", "draft-0.5b-down-split4"])
+def test_lowers_for_cuda(m, k, n, splits):
   x = jax.ShapeDtypeStruct((m, k), jnp.bfloat16)
   w = jax.ShapeDtypeStruct((k, n), jnp.bfloat16)
   scale, bias = jax.ShapeDtypeStruct((m,), jnp.float32), jax.ShapeDtypeStruct((n,), jnp.float32)
-  f = lambda *a: skinny_matmul(*a, impl="gpu")
+  f = lambda *a: skinny_matmul(*a, impl="gpu", splits=splits)
   text = jax.jit(f).trace(x, w, scale, bias).lower(lowering_platforms=("cuda",)).as_text()
   assert "mosaic_gpu" in text
 
 
 def test_shapes_the_kernel_cannot_take_are_refused():
   x, w, _, _ = operands(4, 96, 64)
-  with pytest.raises(ValueError, match="multiple of tile_k=64"):
+  with pytest.raises(ValueError, match="multiple of splits x tile_k = 1 x 64"):
     skinny_matmul(x, w, impl="gpu", interpret=True)
   with pytest.raises(ValueError, match="bf16 or f16"):
     skinny_matmul(x[:, :64].astype(jnp.float32), w[:64].astype(jnp.float32), impl="gpu")
+  with pytest.raises(ValueError, match="multiple of splits x tile_k = 4 x 64"):
+    skinny_matmul_partials(x[:, :64], w[:64], splits=4, impl="gpu", interpret=True)
   with pytest.raises(ValueError, match="unknown impl"):
     skinny_matmul(x, w, impl="triton")
 
@@ -80,4 +108,16 @@ def test_shapes_the_kernel_cannot_take_are_refused():
 def test_gpu_kernel_compiled(m, k, n):
   x, w, scale, bias = operands(m, k, n)
   assert_close(skinny_matmul(x, w, scale, bias, impl="gpu"),
+               skinny_matmul_reference(x, w, scale, bias))
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs a GPU")
+@pytest.mark.parametrize("m,k,n,splits", [(16, 4864, 896, 4), (16, 896, 896, 7),
+                                          (80, 18944, 3584, 2)])
+def test_partials_kernel_compiled(m, k, n, splits):
+  x, w, scale, bias = operands(m, k, n)
+  parts = skinny_matmul_partials(x, w, splits=splits, impl="gpu")
+  np.testing.assert_allclose(np.asarray(parts), np.asarray(skinny_matmul_partials_reference(
+      x, w, splits)), rtol=1e-3, atol=1e-3)
+  assert_close(skinny_matmul(x, w, scale, bias, impl="gpu", splits=splits),
                skinny_matmul_reference(x, w, scale, bias))
