@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 
 from dustin_jax.config import ModelConfig, append_xla_flags
+from kernels.fused_mlp.ops import fused_mlp
 from kernels.skinny_matmul.ops import skinny_matmul, skinny_matmul_partials
 from scripts.benchmarking import (DeviceTimer, benchmark_pairs, compile_cache_from_flag,
                                   pyplot, save_figure, write_json)
@@ -52,6 +53,14 @@ flags.DEFINE_list("mgpu_tilings", ["64:64:4"], "tile_n:tile_k:stages[:splits] of
                   "kernel; splits > 1: K in that many slices, timed as the f32 partial products "
                   "(the consumer sums them) and as the summed product; shapes a tiling does not "
                   "divide are left out")
+flags.DEFINE_list("mlp_layouts", [], "also time each model's whole MLP (gate/up GEMM, SiLU x "
+                  "up, down GEMM) with gate/up's columns in these layouts (`mlp_block`): pairs "
+                  "(gate_j, up_j adjacent, the model's), halves ([gate | up]), blocksN (N gate "
+                  "columns, then their N up columns, block after block); fused: "
+                  "kernels.fused_mlp (pairs layout) once per --fused_mlp_tunings, timed as its "
+                  "f32 partials (the residual add sums them in the model) and as their sum")
+flags.DEFINE_list("fused_mlp_tunings", ["default"], "splits:block_k:block_d:num_warps:num_stages "
+                  "of kernels.fused_mlp, or default")
 flags.DEFINE_integer("flush_mb", 256, "weight bytes per timed jit (> L2: no cache reuse)")
 flags.DEFINE_integer("repeats", 5, "timed calls per measurement (median)")
 flags.DEFINE_string("xla_flags", "", "appended to XLA_FLAGS before jax starts")
@@ -95,6 +104,43 @@ def variants(k: int, n: int):
               skinny_matmul_partials(x, w, impl="gpu", splits=splits, **tiles)
               for x, w in zip(xs, ws)]
           yield dict(impl=impl, parts=splits, tiling=tiling), fn
+
+
+def mlp_block(layout: str):
+  """fn(x [M, D], w_gate_up [D, 2F], w_down [F, D]) of an MLP whose gate/up
+  columns are laid out as `layout` (see --mlp_layouts)."""
+  def split(gu):
+    m, f = gu.shape[0], gu.shape[1] // 2
+    if layout == "pairs":
+      gu = gu.reshape(m, f, 2)
+      return gu[..., 0], gu[..., 1]
+    if layout == "halves":
+      return gu[:, :f], gu[:, f:]
+    if layout.startswith("blocks"):
+      n = int(layout[len("blocks"):])
+      gu = gu.reshape(m, f // n, 2, n)
+      return gu[:, :, 0].reshape(m, f), gu[:, :, 1].reshape(m, f)
+    raise app.UsageError(f"--mlp_layouts: unknown {layout!r} (pairs, halves, blocksN)")
+
+  def mlp(x, w_gate_up, w_down):
+    gate, up = split(jnp.dot(x, w_gate_up, preferred_element_type=x.dtype))
+    return jnp.dot(jax.nn.silu(gate) * up, w_down, preferred_element_type=x.dtype)
+  return mlp
+
+
+def mlp_variants():
+  """(record fields, fn(x, w_gate_up, w_down)) of each --mlp_layouts entry."""
+  for layout in FLAGS.mlp_layouts:
+    if layout != "fused":
+      yield dict(layout=layout, tiling=""), mlp_block(layout)
+      continue
+    for tiling in FLAGS.fused_mlp_tunings:
+      names = ("splits", "block_k", "block_d", "num_warps", "num_stages")
+      tune = {} if tiling == "default" else dict(zip(names, map(int, tiling.split(":"))))
+      partials = lambda x, a, b, tune=tune: fused_mlp(x, a, b, impl="gpu", **tune)
+      yield dict(layout="fused_partials", tiling=tiling), partials
+      yield (dict(layout="fused", tiling=tiling),
+             lambda x, a, b, partials=partials: partials(x, a, b).sum(0).astype(x.dtype))
 
 
 def launches_per_call(fn, args) -> int:
@@ -196,9 +242,49 @@ def main(argv):
           del xs
         del ws
         write_json(out_json, records)  # so far: a run stopped early keeps what it measured
+      if FLAGS.mlp_layouts:
+        records += time_mlps(name, role, cfg, ways, timed, meta, copy_tbs, flush, key)
+        write_json(out_json, records)
   write_json(out_json, records)
   save_plot(records, out_json.replace(".json", ".png"))
   print(f"wrote {out_json}")
+
+
+def time_mlps(name, role, cfg, ways, timed, meta, copy_tbs, flush, key):
+  """Records of the whole MLP of one model in each --mlp_layouts, per row
+  count; bw_frac: its two weights' bytes at the copy bandwidth."""
+  dtype = jnp.bfloat16
+  d, f = cfg.hidden_size, cfg.intermediate_size // ways
+  wbytes = 3 * d * f * 2
+  copies = max(2, min(64, math.ceil(flush / wbytes)))
+  kg, kd, kx = jax.random.split(key, 3)
+  w_gu = [jax.random.normal(k, (d, 2 * f), dtype) * 0.02 for k in jax.random.split(kg, copies)]
+  w_d = [jax.random.normal(k, (f, d), dtype) * 0.02 for k in jax.random.split(kd, copies)]
+  records = []
+  for rows in (int(r) for r in FLAGS.rows):
+    xs = [jax.random.normal(k, (rows, d), dtype) for k in jax.random.split(kx, copies)]
+    for variant, mlp in mlp_variants():
+      fn = lambda xs, wg, wd, mlp=mlp: [mlp(x, a, b) for x, a, b in zip(xs, wg, wd)]
+      try:
+        dev_ms, wall_ms = timed(fn, (xs, w_gu, w_d))
+      except Exception as e:  # a tuning the kernel refuses: say so, time the others
+        if not variant["layout"].startswith("fused"):
+          raise
+        print(f"mlp rows={rows} {variant}: {str(e)[:300]}", flush=True)
+        records.append(dict(meta, kernel="mlp", model=name, role=role, rows=rows, **variant,
+                            error=str(e)[:500]))
+        continue
+      us = 1e3 * (dev_ms or wall_ms) / copies
+      rec = dict(meta, kernel="mlp", model=name, role=role, **variant, d=d, f=f, rows=rows,
+                 weight_bytes=wbytes, copies=copies, us=us, gpu=dev_ms is not None,
+                 kernels_per_mlp=launches_per_call(fn, (xs, w_gu, w_d)) / copies,
+                 tbs=wbytes / (us * 1e-6) / 1e12)
+      rec["bw_frac"] = rec["tbs"] / copy_tbs
+      records.append(rec)
+      print(f"{name} {role:6s} mlp {variant['layout']:14s} {variant['tiling']:16s} D={d:5d} "
+            f"F={f:6d} rows={rows:3d} {us:8.2f} us  "
+            f"{rec['bw_frac']:6.0%} of copy BW  {rec['kernels_per_mlp']:.1f} kernels", flush=True)
+  return records
 
 
 def save_plot(records, path):
