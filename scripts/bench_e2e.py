@@ -63,8 +63,6 @@ flags.DEFINE_list("methods", ["vanilla", "sd_full", "dustin", "sd_magicdec", "st
 flags.DEFINE_list("phase_batches", ["16", "2"], "batches whose steps are also timed per phase")
 flags.DEFINE_integer("mesh_model", 1, "tensor-parallel ways: both models and caches sharded by "
                      "heads over this many devices (1: one device)")
-flags.DEFINE_enum("draft_mlp", "xla", ["xla", "fused"], "the draft's MLP: XLA's GEMMs or one "
-                  "kernel per layer pass (kernels.fused_mlp)")
 flags.DEFINE_integer("budget", 512, "KV budget of the sparse methods")
 flags.DEFINE_integer("n_sink", 16, "attention-sink rows always verified")
 flags.DEFINE_integer("n_window", 64, "recent rows always verified")
@@ -212,14 +210,13 @@ def bench_model(name, contexts, mesh, deadline, records, save):
                      budget=FLAGS.budget if method in SPARSE else None,
                      target_layers=tcfg.num_layers, device=jax.devices()[0].device_kind,
                      devices=len(tcache.k[0].sharding.device_set),  # the cache's, as placed
-                     jax_version=jax.__version__, xla_flags=os.environ.get("XLA_FLAGS", ""),
-                     draft_mlp=FLAGS.draft_mlp)
+                     jax_version=jax.__version__, xla_flags=os.environ.get("XLA_FLAGS", ""))
           try:
             if method.startswith("vanilla"):
               impl = "reference" if method == "vanilla_xla" else "auto"
               times, tcache = bench_vanilla(target, tcache, context, impl, FLAGS.repeats, mesh)
             else:
-              cfg = SpecConfig(gamma=gamma, policy=policy, mesh=mesh, draft_mlp=FLAGS.draft_mlp,
+              cfg = SpecConfig(gamma=gamma, policy=policy, mesh=mesh,
                                draft_kv="full" if method == "sd_full" else "streaming")
               times, tcache, dcache = bench_spec(target, draft, tcache, dcache, context, cfg,
                                                  FLAGS.repeats, str(batch) in FLAGS.phase_batches)

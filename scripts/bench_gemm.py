@@ -10,8 +10,7 @@ the verify's merged q/k/v at ~35%; this measures them one by one.
 Times, in one process: each projection of a benchmark pair
 (`configs.shapes.PAIRS`; `--ways` > 1: one tensor-parallel shard) at each row
 count, as one product (`plain_dot`: bf16 in, f32 accumulation, cast to bf16;
-the bias and activation epilogues XLA fuses in the model are left out;
-`--impls=mgpu`: also the Mosaic GPU kernel of `kernels.skinny_matmul`),
+the bias and activation epilogues XLA fuses in the model are left out),
 against a jnp copy's bandwidth measured in the same run. Each timed jit holds enough distinct
 weight copies to overflow the L2 cache, as a model's layers do. GPU time
 from the profiler trace (`scripts.benchmarking.DeviceTimer`), else wall
@@ -35,32 +34,16 @@ import jax
 import jax.numpy as jnp
 
 from dustin_jax.config import ModelConfig, append_xla_flags
-from kernels.fused_mlp.ops import fused_mlp
-from kernels.skinny_matmul.ops import skinny_matmul, skinny_matmul_partials
 from scripts.benchmarking import (DeviceTimer, benchmark_pairs, compile_cache_from_flag,
-                                  pyplot, save_figure, write_json)
+                                  partial_products, pyplot, save_figure, write_json)
 
 flags.DEFINE_string("out_dir", "results/h200", "where gemm.json and gemm.png go")
 flags.DEFINE_list("models", ["qwen7b"], "benchmark pairs (configs.shapes.PAIRS)")
 flags.DEFINE_list("rows", ["8", "16", "40", "80"], "activation rows (batch x tokens)")
 flags.DEFINE_integer("ways", 1, "tensor-parallel ways: time one device's shard")
 flags.DEFINE_list("parts", ["1"], "each projection also as this many f32 partial products over "
-                  "slices of K (`skinny_matmul_partials`: a consumer would sum them); 1: the plain "
+                  "slices of K (`partial_products`: a consumer would sum them); 1: the plain "
                   "product")
-flags.DEFINE_list("impls", ["xla"], "xla: jnp.dot (XLA's GEMMs); mgpu: the Mosaic GPU kernel of "
-                  "kernels.skinny_matmul (Hopper GPUs), once per --mgpu_tilings")
-flags.DEFINE_list("mgpu_tilings", ["64:64:4"], "tile_n:tile_k:stages[:splits] of the mgpu "
-                  "kernel; splits > 1: K in that many slices, timed as the f32 partial products "
-                  "(the consumer sums them) and as the summed product; shapes a tiling does not "
-                  "divide are left out")
-flags.DEFINE_list("mlp_layouts", [], "also time each model's whole MLP (gate/up GEMM, SiLU x "
-                  "up, down GEMM) with gate/up's columns in these layouts (`mlp_block`): pairs "
-                  "(gate_j, up_j adjacent, the model's), halves ([gate | up]), blocksN (N gate "
-                  "columns, then their N up columns, block after block); fused: "
-                  "kernels.fused_mlp (pairs layout) once per --fused_mlp_tunings, timed as its "
-                  "f32 partials (the residual add sums them in the model) and as their sum")
-flags.DEFINE_list("fused_mlp_tunings", ["default"], "splits:block_k:block_d:num_warps:num_stages "
-                  "of kernels.fused_mlp, or default")
 flags.DEFINE_integer("flush_mb", 256, "weight bytes per timed jit (> L2: no cache reuse)")
 flags.DEFINE_integer("repeats", 5, "timed calls per measurement (median)")
 flags.DEFINE_string("xla_flags", "", "appended to XLA_FLAGS before jax starts")
@@ -73,74 +56,6 @@ def plain_dot(x, w):
   convert), beside `Linear`'s bias-free projections, which ask the GEMM for
   bf16 directly (dustin_jax/models/decoder.py)."""
   return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
-
-
-def variants(k: int, n: int):
-  """(record fields, fn(xs, ws)) of each way to time a [rows, k] x [k, n]
-  product: XLA's GEMM as one product or as `--parts` partial products, and
-  the Mosaic GPU kernel at each `--mgpu_tilings` that divides the shape."""
-  for impl in FLAGS.impls:
-    if impl == "xla":
-      for parts in (int(p) for p in FLAGS.parts):
-        if k % parts:
-          continue
-        if parts == 1:
-          fn = lambda xs, ws: [plain_dot(x, w) for x, w in zip(xs, ws)]
-        else:
-          fn = lambda xs, ws, parts=parts: [skinny_matmul_partials(x, w, splits=parts)
-                                            for x, w in zip(xs, ws)]
-        yield dict(impl=impl, parts=parts, tiling=""), fn
-    elif impl == "mgpu":
-      for tiling in FLAGS.mgpu_tilings:
-        tile_n, tile_k, stages, splits = (int(t) for t in (tiling + ":1").split(":")[:4])
-        if k % (tile_k * splits) or n % tile_n:
-          continue
-        tiles = dict(tile_n=tile_n, tile_k=tile_k, stages=stages)
-        fn = lambda xs, ws, tiles=tiles, splits=splits: [
-            skinny_matmul(x, w, impl="gpu", splits=splits, **tiles) for x, w in zip(xs, ws)]
-        yield dict(impl=impl, parts=1, tiling=tiling), fn
-        if splits > 1:
-          fn = lambda xs, ws, tiles=tiles, splits=splits: [
-              skinny_matmul_partials(x, w, impl="gpu", splits=splits, **tiles)
-              for x, w in zip(xs, ws)]
-          yield dict(impl=impl, parts=splits, tiling=tiling), fn
-
-
-def mlp_block(layout: str):
-  """fn(x [M, D], w_gate_up [D, 2F], w_down [F, D]) of an MLP whose gate/up
-  columns are laid out as `layout` (see --mlp_layouts)."""
-  def split(gu):
-    m, f = gu.shape[0], gu.shape[1] // 2
-    if layout == "pairs":
-      gu = gu.reshape(m, f, 2)
-      return gu[..., 0], gu[..., 1]
-    if layout == "halves":
-      return gu[:, :f], gu[:, f:]
-    if layout.startswith("blocks"):
-      n = int(layout[len("blocks"):])
-      gu = gu.reshape(m, f // n, 2, n)
-      return gu[:, :, 0].reshape(m, f), gu[:, :, 1].reshape(m, f)
-    raise app.UsageError(f"--mlp_layouts: unknown {layout!r} (pairs, halves, blocksN)")
-
-  def mlp(x, w_gate_up, w_down):
-    gate, up = split(jnp.dot(x, w_gate_up, preferred_element_type=x.dtype))
-    return jnp.dot(jax.nn.silu(gate) * up, w_down, preferred_element_type=x.dtype)
-  return mlp
-
-
-def mlp_variants():
-  """(record fields, fn(x, w_gate_up, w_down)) of each --mlp_layouts entry."""
-  for layout in FLAGS.mlp_layouts:
-    if layout != "fused":
-      yield dict(layout=layout, tiling=""), mlp_block(layout)
-      continue
-    for tiling in FLAGS.fused_mlp_tunings:
-      names = ("splits", "block_k", "block_d", "num_warps", "num_stages")
-      tune = {} if tiling == "default" else dict(zip(names, map(int, tiling.split(":"))))
-      partials = lambda x, a, b, tune=tune: fused_mlp(x, a, b, impl="gpu", **tune)
-      yield dict(layout="fused_partials", tiling=tiling), partials
-      yield (dict(layout="fused", tiling=tiling),
-             lambda x, a, b, partials=partials: partials(x, a, b).sum(0).astype(x.dtype))
 
 
 def launches_per_call(fn, args) -> int:
@@ -169,12 +84,6 @@ def projections(cfg, ways: int) -> dict[str, tuple[int, int]]:
 def main(argv):
   del argv
   append_xla_flags(FLAGS.xla_flags)
-  if set(FLAGS.impls) - {"xla", "mgpu"}:
-    raise app.UsageError(f"--impls: unknown {sorted(set(FLAGS.impls) - {'xla', 'mgpu'})} "
-                         "(xla, mgpu)")
-  if "mgpu" in FLAGS.impls and jax.default_backend() != "gpu":
-    raise app.UsageError("--impls=mgpu times the Mosaic GPU kernel: it needs a Hopper GPU "
-                         "(tests/kernels/test_skinny_matmul.py runs it in interpret mode on CPU)")
   compile_cache_from_flag()
   out_json = os.path.join(FLAGS.out_dir, "gemm.json")
   dtype = jnp.bfloat16
@@ -218,80 +127,36 @@ def main(argv):
         ws = [jax.random.normal(kk, (k, n_out), dtype) * 0.02 for kk in jax.random.split(kw, copies)]
         for rows in (int(r) for r in FLAGS.rows):
           xs = [jax.random.normal(kk, (rows, k), dtype) for kk in jax.random.split(kx, copies)]
-          for variant, fn in variants(k, n_out):
-            try:
-              dev_ms, wall_ms = timed(fn, (xs, ws))
-            except Exception as e:  # a tiling Mosaic GPU refuses: say so, time the others
-              if variant["impl"] != "mgpu":
-                raise
-              records.append(dict(meta, kernel="gemm", model=name, role=role, proj=proj, k=k,
-                                  n=n_out, rows=rows, **variant, error=str(e)[:500]))
-              print(f"{proj} rows={rows} mgpu {variant['tiling']}: {str(e)[:300]}", flush=True)
+          for parts in (int(p) for p in FLAGS.parts):
+            if k % parts:
               continue
+            if parts == 1:
+              fn = lambda xs, ws: [plain_dot(x, w) for x, w in zip(xs, ws)]
+            else:
+              fn = lambda xs, ws, parts=parts: [partial_products(x, w, parts)
+                                                for x, w in zip(xs, ws)]
+            dev_ms, wall_ms = timed(fn, (xs, ws))
             us = 1e3 * (dev_ms or wall_ms) / copies
             rec = dict(meta, kernel="gemm", model=name, role=role, proj=proj, k=k, n=n_out,
-                       rows=rows, **variant, weight_bytes=wbytes, copies=copies, us=us,
+                       rows=rows, parts=parts, weight_bytes=wbytes, copies=copies, us=us,
                        kernels_per_product=launches_per_call(fn, (xs, ws)) / copies,
                        gpu=dev_ms is not None, tbs=wbytes / (us * 1e-6) / 1e12)
             rec["bw_frac"] = rec["tbs"] / copy_tbs
             records.append(rec)
             print(f"{name} {role:6s} {proj:8s} K={k:6d} N={n_out:6d} rows={rows:3d} "
-                  f"{variant['impl']:4s} parts={variant['parts']:2d} {variant['tiling']:9s} "
-                  f"{us:8.2f} us  {rec['bw_frac']:6.0%} of copy BW  "
+                  f"parts={parts:2d} {us:8.2f} us  {rec['bw_frac']:6.0%} of copy BW  "
                   f"{rec['kernels_per_product']:.1f} kernels", flush=True)
           del xs
         del ws
-        write_json(out_json, records)  # so far: a run stopped early keeps what it measured
-      if FLAGS.mlp_layouts:
-        records += time_mlps(name, role, cfg, ways, timed, meta, copy_tbs, flush, key)
-        write_json(out_json, records)
   write_json(out_json, records)
   save_plot(records, out_json.replace(".json", ".png"))
   print(f"wrote {out_json}")
 
 
-def time_mlps(name, role, cfg, ways, timed, meta, copy_tbs, flush, key):
-  """Records of the whole MLP of one model in each --mlp_layouts, per row
-  count; bw_frac: its two weights' bytes at the copy bandwidth."""
-  dtype = jnp.bfloat16
-  d, f = cfg.hidden_size, cfg.intermediate_size // ways
-  wbytes = 3 * d * f * 2
-  copies = max(2, min(64, math.ceil(flush / wbytes)))
-  kg, kd, kx = jax.random.split(key, 3)
-  w_gu = [jax.random.normal(k, (d, 2 * f), dtype) * 0.02 for k in jax.random.split(kg, copies)]
-  w_d = [jax.random.normal(k, (f, d), dtype) * 0.02 for k in jax.random.split(kd, copies)]
-  records = []
-  for rows in (int(r) for r in FLAGS.rows):
-    xs = [jax.random.normal(k, (rows, d), dtype) for k in jax.random.split(kx, copies)]
-    for variant, mlp in mlp_variants():
-      fn = lambda xs, wg, wd, mlp=mlp: [mlp(x, a, b) for x, a, b in zip(xs, wg, wd)]
-      try:
-        dev_ms, wall_ms = timed(fn, (xs, w_gu, w_d))
-      except Exception as e:  # a tuning the kernel refuses: say so, time the others
-        if not variant["layout"].startswith("fused"):
-          raise
-        print(f"mlp rows={rows} {variant}: {str(e)[:300]}", flush=True)
-        records.append(dict(meta, kernel="mlp", model=name, role=role, rows=rows, **variant,
-                            error=str(e)[:500]))
-        continue
-      us = 1e3 * (dev_ms or wall_ms) / copies
-      rec = dict(meta, kernel="mlp", model=name, role=role, **variant, d=d, f=f, rows=rows,
-                 weight_bytes=wbytes, copies=copies, us=us, gpu=dev_ms is not None,
-                 kernels_per_mlp=launches_per_call(fn, (xs, w_gu, w_d)) / copies,
-                 tbs=wbytes / (us * 1e-6) / 1e12)
-      rec["bw_frac"] = rec["tbs"] / copy_tbs
-      records.append(rec)
-      print(f"{name} {role:6s} mlp {variant['layout']:14s} {variant['tiling']:16s} D={d:5d} "
-            f"F={f:6d} rows={rows:3d} {us:8.2f} us  "
-            f"{rec['bw_frac']:6.0%} of copy BW  {rec['kernels_per_mlp']:.1f} kernels", flush=True)
-  return records
-
-
 def save_plot(records, path):
-  """Share of the copy bandwidth of XLA's GEMM (one product) per projection
-  and row count; a row of panels per model, a column per role."""
-  gemms = [r for r in records if r["kernel"] == "gemm" and r.get("impl", "xla") == "xla"
-           and r.get("parts", 1) == 1]
+  """Share of the copy bandwidth per projection and row count; a row of
+  panels per model, a column per role."""
+  gemms = [r for r in records if r["kernel"] == "gemm"]
   models = sorted({r["model"] for r in gemms})
   roles = sorted({r["role"] for r in gemms}, reverse=True)  # target, draft
   if not models:

@@ -378,6 +378,18 @@ def phase_device_ms(step, state, steps: int, reset=lambda s: s):
   return {p: us / steps / 1e3 for p, us in attribute_phases(dev, phase_of).items()}, state
 
 
+def partial_products(x, w, parts: int):
+  """`x [M, K] @ w [K, N]` as f32 [parts, M, N]: part p the product of the
+  input slice [p K / parts, (p + 1) K / parts), one batched GEMM. At a few
+  rows XLA splits a GEMM's input dimension itself and sums the partials in
+  a separate kernel; this is the product a consumer that sums the partials
+  itself would read."""
+  k = x.shape[-1]
+  xs = x.reshape(*x.shape[:-1], parts, k // parts)
+  return jnp.einsum("...pk,pkn->p...n", xs, w.reshape(parts, k // parts, w.shape[-1]),
+                    preferred_element_type=jnp.float32)
+
+
 def capacity_bytes():
   """Memory one configuration may use: the first device's (GPU/TPU) or the
   host's available memory (CPU)."""

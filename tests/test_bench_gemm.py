@@ -28,6 +28,20 @@ def test_bench_gemm_smoke(tmp_path):
   assert (tmp_path / "gemm.png").stat().st_size > 0
 
 
+def test_partial_products_sum_to_the_product():
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from scripts.benchmarking import partial_products
+  x = jax.random.normal(jax.random.key(0), (5, 96), jnp.float32)
+  w = jax.random.normal(jax.random.key(1), (96, 40), jnp.float32)
+  parts = partial_products(x, w, 4)
+  assert parts.shape == (4, 5, 40) and parts.dtype == jnp.float32
+  # part p is the product of the input slice p
+  np.testing.assert_allclose(parts[2], x[:, 48:72] @ w[48:72], rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(parts.sum(0), x @ w, rtol=1e-4, atol=1e-4)
+
+
 def test_bench_gemm_parts_records(tmp_path):
   argv = [sys.executable, "-m", "scripts.bench_gemm", "--smoke", f"--out_dir={tmp_path}",
           "--rows=16", "--repeats=1", "--parts=1,4"]
@@ -38,12 +52,3 @@ def test_bench_gemm_parts_records(tmp_path):
   # every projection of the tiny pair (K a multiple of 4) once per parts value
   assert sorted({r["parts"] for r in gemms}) == [1, 4]
   assert len(gemms) == 2 * 2 * 5 and all(r["kernels_per_product"] >= 0 for r in gemms)
-
-
-def test_bench_gemm_refuses_the_mosaic_gpu_kernel_off_a_gpu(tmp_path):
-  argv = [sys.executable, "-m", "scripts.bench_gemm", "--smoke", f"--out_dir={tmp_path}",
-          "--impls=xla,mgpu"]
-  p = subprocess.run(argv, capture_output=True, text=True, timeout=600,
-                     env=dict(os.environ, JAX_PLATFORMS="cpu"))
-  assert p.returncode != 0 and "needs a Hopper GPU" in p.stderr
-  assert not (tmp_path / "gemm.json").exists()

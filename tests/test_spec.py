@@ -16,7 +16,6 @@ from dustin_jax.sampling import SamplingConfig, probs
 from dustin_jax.speculative.engine import generate_speculative, init_state
 from dustin_jax.speculative.step import SpecConfig, accept, spec_step
 from dustin_jax.weights import load_hf_checkpoint
-from kernels.fused_mlp.ops import fused_mlp
 
 
 @pytest.fixture(scope="module")
@@ -120,25 +119,6 @@ def test_streaming_draft_is_still_lossless(pair, rng):
   assert ours == ref
 
 
-def test_fused_draft_mlp_is_still_lossless(pair, rng, monkeypatch):
-  # the draft's MLPs as one kernel each (its reference off the GPU)
-  from dustin_jax.models import decoder
-  traced = []
-
-  def traced_fused_mlp(x, *args, **kwargs):
-    traced.append(x.shape)
-    return fused_mlp(x, *args, **kwargs)
-  monkeypatch.setattr(decoder, "fused_mlp", traced_fused_mlp)
-  target, draft = pair
-  prompts = prompts_of(rng, [30, 12])
-  ref, _ = generate(target, prompts, max_new_tokens=16, max_len=64)
-  cfg = SpecConfig(gamma=3, draft_kv="streaming", draft_sink=2, draft_window=6,
-                   draft_mlp="fused")
-  ours, stats = generate_speculative(target, draft, prompts, max_new_tokens=16, max_len=64, cfg=cfg)
-  assert ours == ref and stats.accepted > 0
-  assert traced and all(rows <= 2 * 2 for rows, _ in traced)  # the draft's rows only
-
-
 def test_self_draft_accepts_everything(pair, rng):
   target, _ = pair
   prompts = prompts_of(rng, [5, 9])
@@ -237,8 +217,6 @@ def test_bad_inputs(pair):
   target, draft = pair
   with pytest.raises(ValueError, match="gamma must be >= 1"):
     SpecConfig(gamma=0)
-  with pytest.raises(ValueError, match=r"draft_mlp must be one of \('xla', 'fused'\)"):
-    SpecConfig(draft_mlp="triton")
   with pytest.raises(InputError, match="at least 2 tokens"):
     generate_speculative(target, draft, [[5]], max_new_tokens=4, max_len=32)
   with pytest.raises(InputError, match="max_len is 16"):

@@ -32,7 +32,6 @@ from dustin_jax import sharding
 from dustin_jax.cache import KVCache, write_rows
 from dustin_jax.config import ModelConfig, rope_inv_freq
 from kernels.decode_attention.ops import decode_attention
-from kernels.fused_mlp.ops import fused_mlp
 from kernels.sparse_verify.ops import sparse_verify_packed
 from kernels.window_attention.ops import window_attention
 
@@ -215,14 +214,7 @@ class MLP(nnx.Module):
     self.gate_up_proj = Linear(d, 2 * f, bias=False, dtype=dtype, rngs=rngs)  # gate_up_columns
     self.down_proj = Linear(f, d, bias=False, dtype=dtype, rngs=rngs)
 
-  def __call__(self, x, impl: str = "xla"):
-    """`impl`: "xla" (two GEMMs and SiLU x up between them) or "fused" (one
-    kernel, `kernels.fused_mlp`, for a few rows: a draft pass)."""
-    if impl == "fused":
-      rows = x.reshape(-1, x.shape[-1])
-      parts = fused_mlp(rows, self.gate_up_proj.kernel[...], self.down_proj.kernel[...])
-      # the f32 partials' sum fuses into the residual add that reads it
-      return parts.sum(0).astype(x.dtype).reshape(x.shape)
+  def __call__(self, x):
     gate_up = self.gate_up_proj(x).reshape(x.shape[:-1] + (-1, 2))
     return self.down_proj(jax.nn.silu(gate_up[..., 0]) * gate_up[..., 1])
 
@@ -242,23 +234,23 @@ class Block(nnx.Module):
     """(q, k, v) of the residual stream `x` [B, T, d] (see Attention.qkv)."""
     return self.self_attn.qkv(self.input_layernorm(x), cos, sin)
 
-  def finish(self, x, attn, mlp: str = "xla"):
+  def finish(self, x, attn):
     """The residual stream after this layer, from its input `x` [B, T, d]
-    and the attention output `attn` [B, T, Hq, D] (`mlp`: MLP's impl)."""
+    and the attention output `attn` [B, T, Hq, D]."""
     x = x + self.self_attn.out(attn)
-    return x + self.mlp(self.post_attention_layernorm(x), mlp)
+    return x + self.mlp(self.post_attention_layernorm(x))
 
   def __call__(self, x, cos, sin, k_cache, v_cache, lengths, kv_indices, impl, mesh,
-               window=None, mlp="xla"):
+               window=None):
     if window is not None or kv_indices is not None:
       return self.packed_call(x, cos, sin, k_cache, v_cache, lengths, impl, mesh,
-                              window=window, kv_indices=kv_indices, mlp=mlp)
+                              window=window, kv_indices=kv_indices)
     q, k, v = self.qkv(x, cos, sin)
     out, k_cache, v_cache = attention(q, k, v, k_cache, v_cache, lengths, impl, mesh)
-    return self.finish(x, out, mlp), k_cache, v_cache, q
+    return self.finish(x, out), k_cache, v_cache, q
 
   def packed_call(self, x, cos, sin, k_cache, v_cache, lengths, impl, mesh, *, window,
-                  kv_indices, mlp="xla"):
+                  kv_indices):
     """The layer over a subset of the cache (a streaming draft's window or a
     sparse verification's rows): the attention is one kernel
     (`packed_attention`) fed by the packed q/k/v projection."""
@@ -268,10 +260,10 @@ class Block(nnx.Module):
     # the roped queries only where a caller taps them (XLA drops them elsewhere)
     r = qkv.shape[3] - 2
     q = qkv[:, :, :, :r].reshape(*x.shape[:2], -1, qkv.shape[-1])
-    return self.finish(x, out, mlp), k_cache, v_cache, apply_rope(q, cos, sin)
+    return self.finish(x, out), k_cache, v_cache, apply_rope(q, cos, sin)
 
 
-def run_block(layer: Block, *args, impl, mesh, window=None, mlp="xla"):
+def run_block(layer: Block, *args, impl, mesh, window=None):
   """`layer(*args, impl, mesh)` through one jitted function shared by every
   layer. Why: jit traces and lowers a function once per distinct argument
   shape, so a step with ~150 layer applications (every layer of the target,
@@ -279,12 +271,12 @@ def run_block(layer: Block, *args, impl, mesh, window=None, mlp="xla"):
   instead of ~150; XLA inlines the calls, so the compiled program is the
   one an inline loop would give."""
   graphdef, state = nnx.split(layer)
-  return _block(graphdef, state, *args, impl=impl, mesh=mesh, window=window, mlp=mlp)
+  return _block(graphdef, state, *args, impl=impl, mesh=mesh, window=window)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "impl", "mesh", "window", "mlp"))
-def _block(graphdef, state, *args, impl, mesh, window, mlp):
-  return nnx.merge(graphdef, state)(*args, impl, mesh, window, mlp)
+@functools.partial(jax.jit, static_argnames=("graphdef", "impl", "mesh", "window"))
+def _block(graphdef, state, *args, impl, mesh, window):
+  return nnx.merge(graphdef, state)(*args, impl, mesh, window)
 
 
 class Decoder(nnx.Module):
@@ -301,15 +293,14 @@ class Decoder(nnx.Module):
 
   def __call__(self, tokens: jax.Array, cache: KVCache, *,
                kv_indices: jax.Array | None = None, window: tuple[int, int] | None = None,
-               tap_layers=(), impl: str = "auto", mesh=None, mlp: str = "xla"):
+               tap_layers=(), impl: str = "auto", mesh=None):
     """Run `tokens[B, T]` at positions `cache.lengths[b] + t`.
 
     Writes their K/V into the cache (lengths unchanged: commit separately).
     `kv_indices[B, K]`: attend only to those context rows plus the new block
     (None: the full cache); `window = (n_sink, n_window)`: only to the first
     n_sink and the last n_window context rows plus the block (a streaming
-    cache). `mesh`: run attention per device (sharded step). `mlp`: the
-    MLP's impl ("xla" or "fused": one kernel, for a draft's few rows).
+    cache). `mesh`: run attention per device (sharded step).
     Returns (hidden [B, T, d] after the final norm,
     cache, {layer: queries [B, T, Hq, D] after rope} for `tap_layers`).
     """
@@ -320,7 +311,7 @@ class Decoder(nnx.Module):
     taps = {}
     for i, layer in enumerate(self.layers):
       x, k, v, q = run_block(layer, x, cos, sin, cache.k[i], cache.v[i], cache.lengths,
-                             kv_indices, impl=impl, mesh=mesh, window=window, mlp=mlp)
+                             kv_indices, impl=impl, mesh=mesh, window=window)
       cache = cache.with_layer(i, k, v)
       if i in tap_layers:
         taps[i] = q

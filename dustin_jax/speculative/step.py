@@ -37,7 +37,6 @@ from dustin_jax.selection.base import FullCache, Policy
 from dustin_jax.sharding import draft_mesh
 
 DRAFT_KV_MODES = ("full", "streaming")
-DRAFT_MLPS = ("xla", "fused")
 VERIFY_MODES = ("sparse", "full")
 
 
@@ -51,7 +50,6 @@ class SpecConfig:
   draft_kv: str = "full"          # "streaming": MagicDec-style sink + window
   draft_sink: int = 16
   draft_window: int = 496
-  draft_mlp: str = "xla"          # "fused": each draft MLP one kernel (kernels.fused_mlp)
   impl: str = "auto"              # attention kernels: auto | reference | gpu | tpu
   mesh: Mesh | None = None        # attention runs per device (the draft whole on
                                   # each: sharding.draft_mesh)
@@ -63,10 +61,6 @@ class SpecConfig:
       raise ValueError(f"draft_kv must be one of {DRAFT_KV_MODES}, got {self.draft_kv!r}")
     if self.draft_kv == "streaming" and self.draft_sink + self.draft_window < 1:
       raise ValueError("a streaming draft cache needs draft_sink + draft_window >= 1")
-    if self.draft_mlp not in DRAFT_MLPS:
-      raise ValueError(f"draft_mlp must be one of {DRAFT_MLPS}, got {self.draft_mlp!r}")
-    if self.draft_mlp == "fused" and self.mesh is not None:
-      raise ValueError("draft_mlp='fused' runs the draft unsharded: use it without a mesh")
 
 
 @jax.tree_util.register_dataclass
@@ -135,7 +129,7 @@ def draft_phase(graphdef, params, cache: KVCache, ds: DecodeState, signals, cfg:
     window = (cfg.draft_sink, cfg.draft_window) if cfg.draft_kv == "streaming" else None
     hidden, c, taps = model(tokens, c.with_lengths(at), window=window,
                             tap_layers=policy.draft_tap_layers, impl=cfg.impl,
-                            mesh=mesh, mlp=cfg.draft_mlp)
+                            mesh=mesh)
     return model.logits(hidden[:, -1]), taps, c
 
   def pick(logits, key):
