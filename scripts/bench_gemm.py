@@ -64,13 +64,16 @@ def plain_dot(x, w):
 
 
 def launches_per_call(fn, args) -> int:
-  """Kernels one call of jitted `fn` launches: the fusions, custom calls and
-  sorts at the top of its compiled module (bitcasts and tuples launch
-  nothing)."""
+  """Kernels one call of jitted `fn` launches: the fusions, copies and
+  sorts at the top of its compiled module and its custom calls (bitcasts
+  and tuples launch nothing)."""
   text = jax.jit(fn).lower(*args).compile().as_text()
   entry = text[text.index("\nENTRY "):]
   entry = entry[:entry.index("\n}")]
-  return len(re.findall(r"= \S+ (?:fusion|custom-call|sort|copy|reduce|transpose)\(", entry))
+  # custom calls (cuBLAS, Pallas kernels) wherever they sit: a Pallas call
+  # of a nested jit stays in a called computation
+  return (len(re.findall(r"= \S+ (?:fusion|sort|copy|reduce|transpose)\(", entry))
+          + len(re.findall(r"= \S+ custom-call\(", text)))
 
 
 def projections(cfg, ways: int) -> dict[str, tuple[int, int]]:
@@ -97,8 +100,9 @@ def main(argv):
               xla_flags=os.environ.get("XLA_FLAGS", ""))
   flush = (FLAGS.flush_mb if not FLAGS.smoke else 4) * 2**20
 
-  def timed(fn, args):
-    """(device ms or None, wall ms) of one call of jitted `fn(*args)`."""
+  def timed(fn, args, with_kernels=False):
+    """(device ms or None, wall ms) of one call of jitted `fn(*args)`, and
+    with `with_kernels` the GPU microseconds per kernel name of a call."""
     f = jax.jit(fn)
     jax.block_until_ready(f(*args))
     walls = []
@@ -109,7 +113,8 @@ def main(argv):
           jax.block_until_ready(f(*args))
           walls.append(1e3 * (time.perf_counter() - t0))
     dev = t.ms("call")
-    return (statistics.median(dev) if dev else None), statistics.median(walls)
+    res = (statistics.median(dev) if dev else None), statistics.median(walls)
+    return res + (t.kernel_us("call"),) if with_kernels else res
 
   n = flush // 2
   src = jnp.ones((n,), dtype)
@@ -185,7 +190,7 @@ def time_layer_finish(name, cfg, flush, timed, copy_tbs, meta) -> list[dict]:
                            impl="reference" if impl == "xla" else "gpu", **tuning)
         return x
       try:
-        dev_ms, wall_ms = timed(fn, (x, attn, layers))
+        dev_ms, wall_ms, kernel_us = timed(fn, (x, attn, layers), with_kernels=True)
       except Exception as e:  # noqa: BLE001 -- a tuning the kernel rejects
         print(f"{name} layer_finish rows={rows} {impl} {tuning}: {type(e).__name__}: {e}"[:300])
         continue
@@ -195,9 +200,12 @@ def time_layer_finish(name, cfg, flush, timed, copy_tbs, meta) -> list[dict]:
                  kernels_per_call=launches_per_call(fn, (x, attn, layers)) / copies,
                  gpu=dev_ms is not None, tbs=wbytes / (us * 1e-6) / 1e12)
       rec["bw_frac"] = rec["tbs"] / copy_tbs
+      rec["kernel_us"] = {k: v / copies for k, v in list(kernel_us.items())[:12]}
       out.append(rec)
       print(f"{name} layer_finish rows={rows:3d} {impl:6s} {tuning} {us:8.2f} us  "
-            f"{rec['bw_frac']:6.0%} of copy BW  {rec['kernels_per_call']:.1f} kernels", flush=True)
+            f"{rec['bw_frac']:6.0%} of copy BW  {rec['kernels_per_call']:.1f} kernels  "
+            + " ".join(f"{k[:24]}:{v:.1f}" for k, v in list(rec["kernel_us"].items())[:6]),
+            flush=True)
   return out
 
 

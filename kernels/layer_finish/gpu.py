@@ -60,16 +60,33 @@ class Shape:
   F: int       # intermediate size
   P: int       # programs
   bk: int      # K tile of every product
-  bn_o: int
-  fu: int
-  ks: int
-  bn_d: int
-  bn_s: int
+  bn_o: int    # o: columns per unit
+  bn_d: int    # down: columns per program
+  bn_s: int    # sum: columns per unit
   eps: float
 
   @property
+  def f_per_program(self) -> int:
+    """up: the F columns each program owns (the last ones fewer or none), a
+    multiple of 8 so that every program's columns start 16-byte aligned and
+    load as vectors."""
+    return common.round_up(common.cdiv(self.F, self.P), 8)
+
+  @property
+  def up_tile(self) -> int:
+    """up: the gate/up columns a program loads per K tile (a power of two)."""
+    return max(16, common.next_pow2(2 * self.f_per_program))
+
+  @property
+  def down_rows(self) -> int:
+    """down: the F rows of one slice (a multiple of bk); one program per
+    (slice, column tile)."""
+    slices = max(1, self.P // (self.D // self.bn_d))
+    return common.round_up(common.cdiv(self.F, slices), self.bk)
+
+  @property
   def n_slices(self) -> int:
-    return self.F // self.ks
+    return common.cdiv(self.F, self.down_rows)
 
 
 def _rows(s: Shape):
@@ -77,18 +94,20 @@ def _rows(s: Shape):
   return rows, rows < s.m
 
 
-def _load_rows(ref, s: Shape, c0, width, *lead, volatile=False):
-  """ref[*lead, rows, c0:c0 + width] as [M, width]; padding rows read 0."""
+def _load_rows(ref, s: Shape, c0, width, *lead, col_ok=None):
+  """ref[*lead, rows, c0:c0 + width] as [M, width]; padding rows (and
+  columns outside `col_ok`) read 0."""
   rows, ok = _rows(s)
   cols = c0 + jnp.arange(width, dtype=jnp.int32)
-  return plt.load(ref.at[(*lead, rows[:, None], cols[None, :])], mask=ok[:, None], other=0.0,
-                  volatile=volatile)
+  mask = ok[:, None] if col_ok is None else ok[:, None] & col_ok[None, :]
+  return plt.load(ref.at[(*lead, rows[:, None], cols[None, :])], mask=mask, other=0.0)
 
 
-def _store_rows(ref, s: Shape, c0, value, *lead):
+def _store_rows(ref, s: Shape, c0, value, *lead, col_ok=None):
   rows, ok = _rows(s)
   cols = c0 + jnp.arange(value.shape[1], dtype=jnp.int32)
-  plt.store(ref.at[(*lead, rows[:, None], cols[None, :])], value, mask=ok[:, None])
+  mask = ok[:, None] if col_ok is None else ok[:, None] & col_ok[None, :]
+  plt.store(ref.at[(*lead, rows[:, None], cols[None, :])], value, mask=mask)
 
 
 def _for_units(p, n_units: int, P: int, fn):
@@ -103,8 +122,7 @@ def _round(v, dtype):
   return v.astype(dtype).astype(jnp.float32)
 
 
-def _o_stage(p, x_ref, attn_ref, wo_ref, y_ref, *, s: Shape, volatile: bool):
-  del volatile  # x and attn come from before the kernel
+def _o_stage(p, x_ref, attn_ref, wo_ref, y_ref, *, s: Shape):
   dt = x_ref.dtype
 
   def unit(n):
@@ -121,69 +139,76 @@ def _o_stage(p, x_ref, attn_ref, wo_ref, y_ref, *, s: Shape, volatile: bool):
   _for_units(p, s.D // s.bn_o, s.P, unit)
 
 
-def _up_stage(p, y_ref, nw_ref, wgu_ref, h_ref, *, s: Shape, volatile: bool):
+def _up_stage(p, y_ref, nw_ref, wgu_ref, h_ref, *, s: Shape):
+  """Program p: h[:, f0:f1] for its F columns f0 = p * Fp .. f1, one pass
+  over K. The norm's row scale commutes with the product, so the rows of
+  y * norm_w are multiplied as they stream and scaled by 1 / rms after."""
   dt = y_ref.dtype
+  fp, tile = s.f_per_program, s.up_tile
+  f0 = pl.multiple_of(p * fp, 8)
+  j = jnp.arange(tile, dtype=jnp.int32)
+  c_ok = (j < 2 * fp) & (2 * f0 + j < 2 * s.F)
+  cols = 2 * f0 + j
 
-  def sum_sq(i, acc):
-    v = _load_rows(y_ref, s, i * s.bk, s.bk, volatile=volatile).astype(jnp.float32)
-    return acc + jnp.sum(v * v, axis=1)
+  def k_step(i, carry):
+    acc, ss = carry
+    k0 = i * s.bk
+    v = _load_rows(y_ref, s, k0, s.bk)
+    vf = v.astype(jnp.float32)
+    ks = k0 + jnp.arange(s.bk, dtype=jnp.int32)
+    w = plt.load(wgu_ref.at[ks[:, None], cols[None, :]], mask=c_ok[None, :], other=0.0)
+    acc = acc + dot(nw_ref[pl.ds(k0, s.bk)][None, :] * v, w)
+    return acc, ss + jnp.sum(vf * vf, axis=1)
 
-  ss = lax.fori_loop(0, s.D // s.bk, sum_sq, jnp.zeros((s.M,), jnp.float32))
-  inv = lax.rsqrt(ss / s.D + s.eps)
-  cols = jnp.arange(2 * s.fu, dtype=jnp.int32)[:, None]
-  pair = 2 * jnp.arange(s.fu, dtype=jnp.int32)[None, :]
-  take_gate = (cols == pair).astype(dt)
-  take_up = (cols == pair + 1).astype(dt)
-
-  def unit(u):
-    c0 = u * 2 * s.fu
-
-    def k_step(i, acc):
-      ks = pl.ds(i * s.bk, s.bk)
-      v = _load_rows(y_ref, s, i * s.bk, s.bk, volatile=volatile).astype(jnp.float32)
-      normed = nw_ref[ks][None, :] * (v * inv[:, None]).astype(dt)
-      return acc + dot(normed, wgu_ref[ks, pl.ds(c0, 2 * s.fu)])
-
-    gu = lax.fori_loop(0, s.D // s.bk, k_step, jnp.zeros((s.M, 2 * s.fu), jnp.float32))
-    gu = gu.astype(dt)
+  @pl.when(f0 < s.F)
+  def _():
+    acc, ss = lax.fori_loop(0, s.D // s.bk, k_step, (jnp.zeros((s.M, tile), jnp.float32),
+                                                     jnp.zeros((s.M,), jnp.float32)))
+    gu = (acc * lax.rsqrt(ss / s.D + s.eps)[:, None]).astype(dt)
     # gate and up apart by 0/1 selection products (exact: one term each)
-    gate, up = dot(gu, take_gate), dot(gu, take_up)
+    r = jnp.arange(tile, dtype=jnp.int32)[:, None]
+    pair = 2 * jnp.arange(tile // 2, dtype=jnp.int32)[None, :]
+    gate, up = dot(gu, (r == pair).astype(dt)), dot(gu, (r == pair + 1).astype(dt))
     # SiLU(gate) x up rounded op by op as the model's bf16 ops
     sigmoid = _round(1.0 / (1.0 + jnp.exp(-gate)), dt)
-    _store_rows(h_ref, s, u * s.fu, (_round(gate * sigmoid, dt) * up).astype(dt))
+    h = (_round(gate * sigmoid, dt) * up).astype(dt)
+    jh = jnp.arange(tile // 2, dtype=jnp.int32)
+    _store_rows(h_ref, s, f0, h, col_ok=(jh < fp) & (f0 + jh < s.F))
 
-  _for_units(p, s.F // s.fu, s.P, unit)
 
-
-def _down_stage(p, h_ref, wd_ref, part_ref, *, s: Shape, volatile: bool):
+def _down_stage(p, h_ref, wd_ref, part_ref, *, s: Shape):
+  """Program p < n_slices x tiles: the f32 partial of its F slice and
+  column tile, one pass over the slice's rows."""
   n_tiles = s.D // s.bn_d
-  bk = min(s.bk, s.ks)
+  sl, n = p // n_tiles, p % n_tiles
+  r0, c0 = sl * s.down_rows, n * s.bn_d
 
-  def unit(u):
-    sl, n = u // n_tiles, u % n_tiles
-    r0, c0 = sl * s.ks, n * s.bn_d
-
+  @pl.when(p < s.n_slices * n_tiles)
+  def _():
     def k_step(i, acc):
-      hv = _load_rows(h_ref, s, r0 + i * bk, bk, volatile=volatile)
-      return acc + dot(hv, wd_ref[pl.ds(r0 + i * bk, bk), pl.ds(c0, s.bn_d)])
+      k0 = r0 + i * s.bk
+      ks = k0 + jnp.arange(s.bk, dtype=jnp.int32)
+      k_ok = ks < s.F
+      hv = _load_rows(h_ref, s, k0, s.bk, col_ok=k_ok)
+      cols = c0 + jnp.arange(s.bn_d, dtype=jnp.int32)
+      w = plt.load(wd_ref.at[ks[:, None], cols[None, :]], mask=k_ok[:, None], other=0.0)
+      return acc + dot(hv, w)
 
-    acc = lax.fori_loop(0, s.ks // bk, k_step, jnp.zeros((s.M, s.bn_d), jnp.float32))
+    acc = lax.fori_loop(0, s.down_rows // s.bk, k_step, jnp.zeros((s.M, s.bn_d), jnp.float32))
     _store_rows(part_ref, s, c0, acc, sl)
 
-  _for_units(p, s.n_slices * n_tiles, s.P, unit)
 
-
-def _sum_stage(p, y_ref, part_ref, out_ref, *, s: Shape, volatile: bool):
+def _sum_stage(p, y_ref, part_ref, out_ref, *, s: Shape):
   dt = y_ref.dtype
 
   def unit(n):
     c0 = n * s.bn_s
 
     def add(sl, acc):
-      return acc + _load_rows(part_ref, s, c0, s.bn_s, sl, volatile=volatile)
+      return acc + _load_rows(part_ref, s, c0, s.bn_s, sl)
 
     acc = lax.fori_loop(0, s.n_slices, add, jnp.zeros((s.M, s.bn_s), jnp.float32))
-    y = _load_rows(y_ref, s, c0, s.bn_s, volatile=volatile).astype(jnp.float32)
+    y = _load_rows(y_ref, s, c0, s.bn_s).astype(jnp.float32)
     _store_rows(out_ref, s, c0, (y + _round(acc, dt)).astype(dt))
 
   _for_units(p, s.D // s.bn_s, s.P, unit)
@@ -212,26 +237,19 @@ def _grid_barrier(cnt_ref, target):
 def _persistent_kernel(x_ref, attn_ref, wo_ref, nw_ref, wgu_ref, wd_ref, _cnt_in,
                        out_ref, y_ref, h_ref, part_ref, cnt_ref, *, s: Shape):
   p = pl.program_id(0)
-  _o_stage(p, x_ref, attn_ref, wo_ref, y_ref, s=s, volatile=True)
+  _o_stage(p, x_ref, attn_ref, wo_ref, y_ref, s=s)
   _grid_barrier(cnt_ref, s.P)
-  _up_stage(p, y_ref, nw_ref, wgu_ref, h_ref, s=s, volatile=True)
+  _up_stage(p, y_ref, nw_ref, wgu_ref, h_ref, s=s)
   _grid_barrier(cnt_ref, 2 * s.P)
-  _down_stage(p, h_ref, wd_ref, part_ref, s=s, volatile=True)
+  _down_stage(p, h_ref, wd_ref, part_ref, s=s)
   _grid_barrier(cnt_ref, 3 * s.P)
-  _sum_stage(p, y_ref, part_ref, out_ref, s=s, volatile=True)
-
-
-def _best_split(total: int, unit_sizes, programs: int):
-  """The unit size (dividing `total`) that minimises the most work any one
-  program gets: ceil(units / programs) x size; ties to the larger unit."""
-  sizes = [u for u in unit_sizes if total % u == 0]
-  return min(sizes, key=lambda u: (common.cdiv(total // u, programs) * u, -u))
+  _sum_stage(p, y_ref, part_ref, out_ref, s=s)
 
 
 def default_tuning(m: int, d: int, a: int, f: int, programs: int | None = None) -> dict:
-  """Programs: one per SM. Tiles: K tiles of up to 128, o and sum tiles of
-  16 columns, and the F tile (up) and the (F slice, column tile) of down that
-  spread their weight columns most evenly over the programs."""
+  """One program per SM; K tiles of up to 128; o and sum units of 16
+  columns; down tiles of 64 columns (or the widest power of two dividing D),
+  the F slices as many as leave every program a tile."""
   del m
   if d % 16 or a % 16 or f % 16:
     raise ValueError(f"D, A and F must be multiples of 16, got {d}, {a}, {f}")
@@ -239,22 +257,10 @@ def default_tuning(m: int, d: int, a: int, f: int, programs: int | None = None) 
   bk = 128
   while bk > 16 and (d % bk or a % bk):
     bk //= 2
-  fu = _best_split(f, (16, 32, 64), P)
-  # down: slices of F of at least 128 rows (fewer partials to sum) and tiles
-  # of at least 32 columns, where the shape allows
-  pow2 = lambda n, cap: min(cap, n & -n)
-  best = None
-  for ks in (128, 256, 512, 1024):
-    ks = min(ks, pow2(f, 1024))
-    for bn_d in (32, 64, 128):
-      bn_d = min(bn_d, pow2(d, 128))
-      load = common.cdiv((f // ks) * (d // bn_d), P) * ks * bn_d
-      key = (load, f // ks)  # then the fewest partials to sum
-      if best is None or key < best[0]:
-        best = (key, ks, bn_d)
-  _, ks, bn_d = best
-  return dict(programs=P, block_k=bk, bn_o=16, fu=fu, ks=ks, bn_d=bn_d, bn_s=16,
-              num_warps=4, num_stages=3)
+  bn_d = min(64, d & -d)
+  while d // bn_d > P and bn_d < 128 and d % (2 * bn_d) == 0:
+    bn_d *= 2
+  return dict(programs=P, block_k=bk, bn_o=16, bn_d=bn_d, bn_s=16, num_warps=4, num_stages=3)
 
 
 def check_shapes(x, attn, w_o, norm_w, w_gate_up, w_down):
@@ -275,18 +281,22 @@ def check_shapes(x, attn, w_o, norm_w, w_gate_up, w_down):
 
 
 @functools.partial(jax.jit, static_argnames=(
-    "eps", "programs", "block_k", "bn_o", "fu", "ks", "bn_d", "bn_s", "num_warps",
+    "eps", "programs", "block_k", "bn_o", "bn_d", "bn_s", "num_warps",
     "num_stages", "persistent", "interpret", "return_counters"))
 def layer_finish_gpu(x, attn, w_o, norm_w, w_gate_up, w_down, *, eps, programs, block_k,
-                     bn_o, fu, ks, bn_d, bn_s, num_warps, num_stages, persistent=True,
+                     bn_o, bn_d, bn_s, num_warps, num_stages, persistent=True,
                      interpret=False, return_counters=False):
   m, d, a, f = check_shapes(x, attn, w_o, norm_w, w_gate_up, w_down)
   for name, total, tile in (("D", d, block_k), ("A", a, block_k), ("D", d, bn_o),
-                            ("F", f, fu), ("F", f, ks), ("D", d, bn_d), ("D", d, bn_s)):
+                            ("D", d, bn_d), ("D", d, bn_s)):
     if total % tile or tile & (tile - 1) or tile < 16:
       raise ValueError(f"tile {tile} must be a power of two >= 16 dividing {name} = {total}")
   s = Shape(m=m, M=max(16, common.next_pow2(m)), D=d, A=a, F=f, P=programs, bk=block_k,
-            bn_o=bn_o, fu=fu, ks=ks, bn_d=bn_d, bn_s=bn_s, eps=float(eps))
+            bn_o=bn_o, bn_d=bn_d, bn_s=bn_s, eps=float(eps))
+  if d // bn_d > programs or s.up_tile > 256:
+    raise ValueError(f"{programs} programs are too few for D = {d}, F = {f} with down tiles "
+                     f"of {bn_d} columns (each program owns one down tile and at most 128 "
+                     "columns of F)")
   dt = x.dtype
   y = jax.ShapeDtypeStruct((m, d), dt)
   h = jax.ShapeDtypeStruct((m, f), dt)
@@ -303,7 +313,7 @@ def layer_finish_gpu(x, attn, w_o, norm_w, w_gate_up, w_down, *, eps, programs, 
   else:
     def staged(stage, out_shape, *args):
       def kernel(*refs):
-        stage(pl.program_id(0), *refs, s=s, volatile=False)
+        stage(pl.program_id(0), *refs, s=s)
       return call(kernel, out_shape=out_shape, name=f"layer_finish_{stage.__name__[1:-6]}")(*args)
 
     y_val = staged(_o_stage, y, x, attn, w_o)

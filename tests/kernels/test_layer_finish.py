@@ -50,9 +50,9 @@ def test_reference_is_the_models_block_finish(dtype):
 # do not divide the units; several units per program in every stage
 CASES = [
     (1, 64, 64, 48, dict(programs=2)),
-    (5, 64, 96, 80, dict(programs=3, block_k=32, fu=16, ks=16, bn_d=16)),
-    (16, 128, 64, 64, dict(programs=5, fu=32, ks=32, bn_d=32, bn_s=32)),
-    (19, 32, 32, 32, dict(programs=4)),
+    (5, 64, 96, 80, dict(programs=7, block_k=32, bn_d=16)),   # F over 7: 16 x 5, none
+    (16, 128, 64, 64, dict(programs=5, bn_d=32, bn_s=32)),    # 4 column tiles, 1 slice
+    (19, 32, 32, 96, dict(programs=4, block_k=16, bn_d=16)),  # 2 tiles x 2 slices of 48 rows
 ]
 
 
@@ -81,20 +81,25 @@ def test_bad_shapes_raise():
   with pytest.raises(ValueError, match="attn"):
     layer_finish(x, attn[:3], wo, nw, wgu, wd, eps=EPS)
   with pytest.raises(ValueError, match="tile"):
-    layer_finish(x, attn, wo, nw, wgu, wd, eps=EPS, impl="gpu", interpret=True, fu=24)
+    layer_finish(x, attn, wo, nw, wgu, wd, eps=EPS, impl="gpu", interpret=True, bn_d=24)
+  with pytest.raises(ValueError, match="too few"):
+    layer_finish(x, attn, wo, nw, wgu, wd, eps=EPS, impl="gpu", interpret=True, programs=1,
+                 bn_d=16)
   x, attn, wo, nw, wgu, wd = operands(0, 4, 40, 32, 32)
   with pytest.raises(ValueError, match="multiples of 16"):
     layer_finish(x, attn, wo, nw, wgu, wd, eps=EPS, impl="gpu", interpret=True)
 
 
-def test_default_tuning_spreads_the_weights():
-  # the 0.5B draft: F = 4864 = 19 x 256 over 132 programs
-  t = gpu.default_tuning(16, 896, 896, 4864, programs=132)
-  assert 896 % t["block_k"] == 0 and 4864 % t["fu"] == 0 and 4864 % t["ks"] == 0
-  units = 4864 // t["fu"]
-  assert units >= 132  # every program streams gate/up columns
-  down_units = (4864 // t["ks"]) * (896 // t["bn_d"])
-  assert down_units >= 132 and t["ks"] >= 128 and t["bn_d"] >= 32
+@pytest.mark.parametrize("d,a,f", [(896, 896, 4864), (2048, 2048, 8192)])
+def test_default_tuning_spreads_the_weights(d, a, f):
+  # the 0.5B / 1B drafts over 132 programs
+  t = gpu.default_tuning(16, d, a, f, programs=132)
+  s = gpu.Shape(m=16, M=16, D=d, A=a, F=f, P=132, bk=t["block_k"], bn_o=t["bn_o"],
+                bn_d=t["bn_d"], bn_s=t["bn_s"], eps=EPS)
+  assert s.f_per_program % 8 == 0 and 132 * s.f_per_program >= f  # aligned, all of F
+  assert 0.8 * 132 <= f / s.f_per_program and 2 * s.f_per_program <= s.up_tile <= 128
+  programs_down = s.n_slices * (d // s.bn_d)
+  assert 0.8 * 132 <= programs_down <= 132 and s.n_slices * s.down_rows >= f
 
 
 @pytest.mark.skipif(not ON_GPU, reason="needs a GPU")
