@@ -59,7 +59,9 @@ class Shape:
   A: int       # attention width (heads x head_dim)
   F: int       # intermediate size
   P: int       # programs
-  bk: int      # K tile of every product
+  bk_o: int    # K tiles (rows of a weight tile) of o, up and down: the
+  bk_up: int   # bytes a program has in flight; a tile past the end of K
+  bk_d: int    # is masked
   bn_o: int    # o: columns per unit
   bn_d: int    # down: columns per program
   bn_s: int    # sum: columns per unit
@@ -79,10 +81,10 @@ class Shape:
 
   @property
   def down_rows(self) -> int:
-    """down: the F rows of one slice (a multiple of bk); one program per
+    """down: the F rows of one slice (a multiple of bk_d); one program per
     (slice, column tile)."""
     slices = max(1, self.P // (self.D // self.bn_d))
-    return common.round_up(common.cdiv(self.F, slices), self.bk)
+    return common.round_up(common.cdiv(self.F, slices), self.bk_d)
 
   @property
   def n_slices(self) -> int:
@@ -129,10 +131,15 @@ def _o_stage(p, x_ref, attn_ref, wo_ref, y_ref, *, s: Shape):
     c0 = n * s.bn_o
 
     def k_step(i, acc):
-      a = _load_rows(attn_ref, s, i * s.bk, s.bk)
-      return acc + dot(a, wo_ref[pl.ds(i * s.bk, s.bk), pl.ds(c0, s.bn_o)])
+      ks = i * s.bk_o + jnp.arange(s.bk_o, dtype=jnp.int32)
+      k_ok = ks < s.A
+      a = _load_rows(attn_ref, s, i * s.bk_o, s.bk_o, col_ok=k_ok)
+      cols = c0 + jnp.arange(s.bn_o, dtype=jnp.int32)
+      w = plt.load(wo_ref.at[ks[:, None], cols[None, :]], mask=k_ok[:, None], other=0.0)
+      return acc + dot(a, w)
 
-    acc = lax.fori_loop(0, s.A // s.bk, k_step, jnp.zeros((s.M, s.bn_o), jnp.float32))
+    acc = lax.fori_loop(0, common.cdiv(s.A, s.bk_o), k_step,
+                        jnp.zeros((s.M, s.bn_o), jnp.float32))
     x = _load_rows(x_ref, s, c0, s.bn_o).astype(jnp.float32)
     _store_rows(y_ref, s, c0, (x + _round(acc, dt)).astype(dt))
 
@@ -152,17 +159,20 @@ def _up_stage(p, y_ref, nw_ref, wgu_ref, h_ref, *, s: Shape):
 
   def k_step(i, carry):
     acc, ss = carry
-    k0 = i * s.bk
-    v = _load_rows(y_ref, s, k0, s.bk)
+    k0 = i * s.bk_up
+    ks = k0 + jnp.arange(s.bk_up, dtype=jnp.int32)
+    k_ok = ks < s.D
+    v = _load_rows(y_ref, s, k0, s.bk_up, col_ok=k_ok)
     vf = v.astype(jnp.float32)
-    ks = k0 + jnp.arange(s.bk, dtype=jnp.int32)
-    w = plt.load(wgu_ref.at[ks[:, None], cols[None, :]], mask=c_ok[None, :], other=0.0)
-    acc = acc + dot(nw_ref[pl.ds(k0, s.bk)][None, :] * v, w)
+    w = plt.load(wgu_ref.at[ks[:, None], cols[None, :]], mask=k_ok[:, None] & c_ok[None, :],
+                 other=0.0)
+    nw = plt.load(nw_ref.at[ks], mask=k_ok, other=0.0)
+    acc = acc + dot(nw[None, :] * v, w)
     return acc, ss + jnp.sum(vf * vf, axis=1)
 
   @pl.when(f0 < s.F)
   def _():
-    acc, ss = lax.fori_loop(0, s.D // s.bk, k_step, (jnp.zeros((s.M, tile), jnp.float32),
+    acc, ss = lax.fori_loop(0, common.cdiv(s.D, s.bk_up), k_step, (jnp.zeros((s.M, tile), jnp.float32),
                                                      jnp.zeros((s.M,), jnp.float32)))
     gu = (acc * lax.rsqrt(ss / s.D + s.eps)[:, None]).astype(dt)
     # gate and up apart by 0/1 selection products (exact: one term each)
@@ -186,15 +196,15 @@ def _down_stage(p, h_ref, wd_ref, part_ref, *, s: Shape):
   @pl.when(p < s.n_slices * n_tiles)
   def _():
     def k_step(i, acc):
-      k0 = r0 + i * s.bk
-      ks = k0 + jnp.arange(s.bk, dtype=jnp.int32)
+      k0 = r0 + i * s.bk_d
+      ks = k0 + jnp.arange(s.bk_d, dtype=jnp.int32)
       k_ok = ks < s.F
-      hv = _load_rows(h_ref, s, k0, s.bk, col_ok=k_ok)
+      hv = _load_rows(h_ref, s, k0, s.bk_d, col_ok=k_ok)
       cols = c0 + jnp.arange(s.bn_d, dtype=jnp.int32)
       w = plt.load(wd_ref.at[ks[:, None], cols[None, :]], mask=k_ok[:, None], other=0.0)
       return acc + dot(hv, w)
 
-    acc = lax.fori_loop(0, s.down_rows // s.bk, k_step, jnp.zeros((s.M, s.bn_d), jnp.float32))
+    acc = lax.fori_loop(0, s.down_rows // s.bk_d, k_step, jnp.zeros((s.M, s.bn_d), jnp.float32))
     _store_rows(part_ref, s, c0, acc, sl)
 
 
@@ -247,20 +257,18 @@ def _persistent_kernel(x_ref, attn_ref, wo_ref, nw_ref, wgu_ref, wd_ref, _cnt_in
 
 
 def default_tuning(m: int, d: int, a: int, f: int, programs: int | None = None) -> dict:
-  """One program per SM; K tiles of up to 128; o and sum units of 16
+  """One program per SM; K tiles of 128 rows; o and sum units of 16
   columns; down tiles of 64 columns (or the widest power of two dividing D),
   the F slices as many as leave every program a tile."""
   del m
   if d % 16 or a % 16 or f % 16:
     raise ValueError(f"D, A and F must be multiples of 16, got {d}, {a}, {f}")
   P = programs or common.num_sms()
-  bk = 128
-  while bk > 16 and (d % bk or a % bk):
-    bk //= 2
   bn_d = min(64, d & -d)
   while d // bn_d > P and bn_d < 128 and d % (2 * bn_d) == 0:
     bn_d *= 2
-  return dict(programs=P, block_k=bk, bn_o=16, bn_d=bn_d, bn_s=16, num_warps=4, num_stages=3)
+  return dict(programs=P, bk_o=128, bk_up=128, bk_d=128, bn_o=16, bn_d=bn_d, bn_s=16,
+              num_warps=4, num_stages=3)
 
 
 def check_shapes(x, attn, w_o, norm_w, w_gate_up, w_down):
@@ -281,17 +289,18 @@ def check_shapes(x, attn, w_o, norm_w, w_gate_up, w_down):
 
 
 @functools.partial(jax.jit, static_argnames=(
-    "eps", "programs", "block_k", "bn_o", "bn_d", "bn_s", "num_warps",
+    "eps", "programs", "bk_o", "bk_up", "bk_d", "bn_o", "bn_d", "bn_s", "num_warps",
     "num_stages", "persistent", "interpret", "return_counters"))
-def layer_finish_gpu(x, attn, w_o, norm_w, w_gate_up, w_down, *, eps, programs, block_k,
+def layer_finish_gpu(x, attn, w_o, norm_w, w_gate_up, w_down, *, eps, programs, bk_o, bk_up, bk_d,
                      bn_o, bn_d, bn_s, num_warps, num_stages, persistent=True,
                      interpret=False, return_counters=False):
   m, d, a, f = check_shapes(x, attn, w_o, norm_w, w_gate_up, w_down)
-  for name, total, tile in (("D", d, block_k), ("A", a, block_k), ("D", d, bn_o),
-                            ("D", d, bn_d), ("D", d, bn_s)):
-    if total % tile or tile & (tile - 1) or tile < 16:
-      raise ValueError(f"tile {tile} must be a power of two >= 16 dividing {name} = {total}")
-  s = Shape(m=m, M=max(16, common.next_pow2(m)), D=d, A=a, F=f, P=programs, bk=block_k,
+  for name, tile in (("bk_o", bk_o), ("bk_up", bk_up), ("bk_d", bk_d), ("bn_o", bn_o),
+                     ("bn_d", bn_d), ("bn_s", bn_s)):
+    if tile & (tile - 1) or tile < 16 or (name[:2] == "bn" and d % tile):
+      raise ValueError(f"{name} = {tile} must be a power of two >= 16"
+                       + (f" dividing D = {d}" if name[:2] == "bn" else ""))
+  s = Shape(m=m, M=max(16, common.next_pow2(m)), D=d, A=a, F=f, P=programs, bk_o=bk_o, bk_up=bk_up, bk_d=bk_d,
             bn_o=bn_o, bn_d=bn_d, bn_s=bn_s, eps=float(eps))
   if d // bn_d > programs or s.up_tile > 256:
     raise ValueError(f"{programs} programs are too few for D = {d}, F = {f} with down tiles "

@@ -50,9 +50,9 @@ def test_reference_is_the_models_block_finish(dtype):
 # do not divide the units; several units per program in every stage
 CASES = [
     (1, 64, 64, 48, dict(programs=2)),
-    (5, 64, 96, 80, dict(programs=7, block_k=32, bn_d=16)),   # F over 7: 16 x 5, none
-    (16, 128, 64, 64, dict(programs=5, bn_d=32, bn_s=32)),    # 4 column tiles, 1 slice
-    (19, 32, 32, 96, dict(programs=4, block_k=16, bn_d=16)),  # 2 tiles x 2 slices of 48 rows
+    (5, 64, 96, 80, dict(programs=7, bk_o=64, bk_up=32, bk_d=32, bn_d=16)),  # F: 16 x 5
+    (16, 128, 64, 64, dict(programs=5, bn_d=32, bn_s=32, bk_up=256)),  # 4 tiles, 1 slice
+    (19, 32, 32, 96, dict(programs=4, bk_d=16, bn_d=16)),  # 2 tiles x 2 slices of 48 rows
 ]
 
 
@@ -80,7 +80,7 @@ def test_bad_shapes_raise():
     layer_finish(x, attn, wo, nw, wgu[:, :48], wd, eps=EPS)
   with pytest.raises(ValueError, match="attn"):
     layer_finish(x, attn[:3], wo, nw, wgu, wd, eps=EPS)
-  with pytest.raises(ValueError, match="tile"):
+  with pytest.raises(ValueError, match="bn_d = 24"):
     layer_finish(x, attn, wo, nw, wgu, wd, eps=EPS, impl="gpu", interpret=True, bn_d=24)
   with pytest.raises(ValueError, match="too few"):
     layer_finish(x, attn, wo, nw, wgu, wd, eps=EPS, impl="gpu", interpret=True, programs=1,
@@ -94,8 +94,8 @@ def test_bad_shapes_raise():
 def test_default_tuning_spreads_the_weights(d, a, f):
   # the 0.5B / 1B drafts over 132 programs
   t = gpu.default_tuning(16, d, a, f, programs=132)
-  s = gpu.Shape(m=16, M=16, D=d, A=a, F=f, P=132, bk=t["block_k"], bn_o=t["bn_o"],
-                bn_d=t["bn_d"], bn_s=t["bn_s"], eps=EPS)
+  s = gpu.Shape(m=16, M=16, D=d, A=a, F=f, P=132, **{k: t[k] for k in (
+      "bk_o", "bk_up", "bk_d", "bn_o", "bn_d", "bn_s")}, eps=EPS)
   assert s.f_per_program % 8 == 0 and 132 * s.f_per_program >= f  # aligned, all of F
   assert 0.8 * 132 <= f / s.f_per_program and 2 * s.f_per_program <= s.up_tile <= 128
   programs_down = s.n_slices * (d // s.bn_d)
