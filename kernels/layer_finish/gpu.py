@@ -91,25 +91,52 @@ class Shape:
     return common.cdiv(self.F, self.down_rows)
 
 
-def _rows(s: Shape):
-  rows = jnp.arange(s.M, dtype=jnp.int32)
-  return rows, rows < s.m
+def _mask(r_ok, c_ok):
+  if r_ok is None:
+    return c_ok[None, :]
+  return r_ok[:, None] if c_ok is None else r_ok[:, None] & c_ok[None, :]
+
+
+def _load(ref, r0, nr, c0, nc, *lead, r_ok=None, c_ok=None):
+  """ref[*lead, r0:r0 + nr, c0:c0 + nc]; rows outside `r_ok` and columns
+  outside `c_ok` read 0. Without masks (the tile in bounds for every
+  program) a plain slice load, which Triton vectorises best."""
+  if r_ok is None and c_ok is None:
+    return ref[(*lead, pl.ds(r0, nr), pl.ds(c0, nc))]
+  rows = r0 + jnp.arange(nr, dtype=jnp.int32)
+  cols = c0 + jnp.arange(nc, dtype=jnp.int32)
+  return plt.load(ref.at[(*lead, rows[:, None], cols[None, :])], mask=_mask(r_ok, c_ok),
+                  other=0.0)
+
+
+def _store(ref, r0, c0, value, *lead, r_ok=None, c_ok=None):
+  nr, nc = value.shape
+  if r_ok is None and c_ok is None:
+    ref[(*lead, pl.ds(r0, nr), pl.ds(c0, nc))] = value
+    return
+  rows = r0 + jnp.arange(nr, dtype=jnp.int32)
+  cols = c0 + jnp.arange(nc, dtype=jnp.int32)
+  plt.store(ref.at[(*lead, rows[:, None], cols[None, :])], value, mask=_mask(r_ok, c_ok))
+
+
+def _row_ok(s: Shape):
+  """The real rows of the M-row tiles (None: all are)."""
+  return None if s.m == s.M else jnp.arange(s.M, dtype=jnp.int32) < s.m
 
 
 def _load_rows(ref, s: Shape, c0, width, *lead, col_ok=None):
   """ref[*lead, rows, c0:c0 + width] as [M, width]; padding rows (and
   columns outside `col_ok`) read 0."""
-  rows, ok = _rows(s)
-  cols = c0 + jnp.arange(width, dtype=jnp.int32)
-  mask = ok[:, None] if col_ok is None else ok[:, None] & col_ok[None, :]
-  return plt.load(ref.at[(*lead, rows[:, None], cols[None, :])], mask=mask, other=0.0)
+  return _load(ref, 0, s.M, c0, width, *lead, r_ok=_row_ok(s), c_ok=col_ok)
 
 
 def _store_rows(ref, s: Shape, c0, value, *lead, col_ok=None):
-  rows, ok = _rows(s)
-  cols = c0 + jnp.arange(value.shape[1], dtype=jnp.int32)
-  mask = ok[:, None] if col_ok is None else ok[:, None] & col_ok[None, :]
-  plt.store(ref.at[(*lead, rows[:, None], cols[None, :])], value, mask=mask)
+  _store(ref, 0, c0, value, *lead, r_ok=_row_ok(s), c_ok=col_ok)
+
+
+def _k_ok(k0, bk, total, exact):
+  """The K rows of a tile that exist (None where every tile is whole)."""
+  return None if exact else k0 + jnp.arange(bk, dtype=jnp.int32) < total
 
 
 def _for_units(p, n_units: int, P: int, fn):
@@ -131,12 +158,10 @@ def _o_stage(p, x_ref, attn_ref, wo_ref, y_ref, *, s: Shape):
     c0 = n * s.bn_o
 
     def k_step(i, acc):
-      ks = i * s.bk_o + jnp.arange(s.bk_o, dtype=jnp.int32)
-      k_ok = ks < s.A
-      a = _load_rows(attn_ref, s, i * s.bk_o, s.bk_o, col_ok=k_ok)
-      cols = c0 + jnp.arange(s.bn_o, dtype=jnp.int32)
-      w = plt.load(wo_ref.at[ks[:, None], cols[None, :]], mask=k_ok[:, None], other=0.0)
-      return acc + dot(a, w)
+      k0 = i * s.bk_o
+      k_ok = _k_ok(k0, s.bk_o, s.A, s.A % s.bk_o == 0)
+      a = _load_rows(attn_ref, s, k0, s.bk_o, col_ok=k_ok)
+      return acc + dot(a, _load(wo_ref, k0, s.bk_o, c0, s.bn_o, r_ok=k_ok))
 
     acc = lax.fori_loop(0, common.cdiv(s.A, s.bk_o), k_step,
                         jnp.zeros((s.M, s.bn_o), jnp.float32))
@@ -154,19 +179,21 @@ def _up_stage(p, y_ref, nw_ref, wgu_ref, h_ref, *, s: Shape):
   fp, tile = s.f_per_program, s.up_tile
   f0 = pl.multiple_of(p * fp, 8)
   j = jnp.arange(tile, dtype=jnp.int32)
-  c_ok = (j < 2 * fp) & (2 * f0 + j < 2 * s.F)
-  cols = 2 * f0 + j
+  # the program's gate/up columns exactly fill the tile, every program's
+  exact = tile == 2 * fp and s.F % fp == 0
+  c_ok = None if exact else (j < 2 * fp) & (2 * f0 + j < 2 * s.F)
 
   def k_step(i, carry):
     acc, ss = carry
     k0 = i * s.bk_up
-    ks = k0 + jnp.arange(s.bk_up, dtype=jnp.int32)
-    k_ok = ks < s.D
+    k_ok = _k_ok(k0, s.bk_up, s.D, s.D % s.bk_up == 0)
     v = _load_rows(y_ref, s, k0, s.bk_up, col_ok=k_ok)
     vf = v.astype(jnp.float32)
-    w = plt.load(wgu_ref.at[ks[:, None], cols[None, :]], mask=k_ok[:, None] & c_ok[None, :],
-                 other=0.0)
-    nw = plt.load(nw_ref.at[ks], mask=k_ok, other=0.0)
+    w = _load(wgu_ref, k0, s.bk_up, 2 * f0, tile, r_ok=k_ok, c_ok=c_ok)
+    if k_ok is None:
+      nw = nw_ref[pl.ds(k0, s.bk_up)]
+    else:
+      nw = plt.load(nw_ref.at[k0 + jnp.arange(s.bk_up, dtype=jnp.int32)], mask=k_ok, other=0.0)
     acc = acc + dot(nw[None, :] * v, w)
     return acc, ss + jnp.sum(vf * vf, axis=1)
 
@@ -183,7 +210,7 @@ def _up_stage(p, y_ref, nw_ref, wgu_ref, h_ref, *, s: Shape):
     sigmoid = _round(1.0 / (1.0 + jnp.exp(-gate)), dt)
     h = (_round(gate * sigmoid, dt) * up).astype(dt)
     jh = jnp.arange(tile // 2, dtype=jnp.int32)
-    _store_rows(h_ref, s, f0, h, col_ok=(jh < fp) & (f0 + jh < s.F))
+    _store_rows(h_ref, s, f0, h, col_ok=None if exact else (jh < fp) & (f0 + jh < s.F))
 
 
 def _down_stage(p, h_ref, wd_ref, part_ref, *, s: Shape):
@@ -197,12 +224,9 @@ def _down_stage(p, h_ref, wd_ref, part_ref, *, s: Shape):
   def _():
     def k_step(i, acc):
       k0 = r0 + i * s.bk_d
-      ks = k0 + jnp.arange(s.bk_d, dtype=jnp.int32)
-      k_ok = ks < s.F
+      k_ok = _k_ok(k0, s.bk_d, s.F, s.n_slices * s.down_rows == s.F)
       hv = _load_rows(h_ref, s, k0, s.bk_d, col_ok=k_ok)
-      cols = c0 + jnp.arange(s.bn_d, dtype=jnp.int32)
-      w = plt.load(wd_ref.at[ks[:, None], cols[None, :]], mask=k_ok[:, None], other=0.0)
-      return acc + dot(hv, w)
+      return acc + dot(hv, _load(wd_ref, k0, s.bk_d, c0, s.bn_d, r_ok=k_ok))
 
     acc = lax.fori_loop(0, s.down_rows // s.bk_d, k_step, jnp.zeros((s.M, s.bn_d), jnp.float32))
     _store_rows(part_ref, s, c0, acc, sl)

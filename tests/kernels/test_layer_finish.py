@@ -53,6 +53,8 @@ CASES = [
     (5, 64, 96, 80, dict(programs=7, bk_o=64, bk_up=32, bk_d=32, bn_d=16)),  # F: 16 x 5
     (16, 128, 64, 64, dict(programs=5, bn_d=32, bn_s=32, bk_up=256)),  # 4 tiles, 1 slice
     (19, 32, 32, 96, dict(programs=4, bk_d=16, bn_d=16)),  # 2 tiles x 2 slices of 48 rows
+    # every tile whole: unmasked slice loads in every stage
+    (16, 64, 64, 128, dict(programs=4, bk_o=64, bk_up=64, bk_d=32, bn_d=32)),
 ]
 
 
