@@ -72,9 +72,6 @@ flags.DEFINE_integer("num_layers", 0, "keep only this many layers of both models
 flags.DEFINE_string("tau_json", "results/eval/tau.json", "tau per (policy, gamma, budget)")
 flags.DEFINE_float("time_budget_s", 540, "stop starting new configs after this long")
 flags.DEFINE_bool("smoke", False, "tiny shapes on CPU (schema test)")
-flags.DEFINE_enum("draft_finish", "xla", ["xla", "kernel"], "each draft layer's "
-                  "o projection .. MLP as XLA's ops or one persistent kernel "
-                  "(kernels.layer_finish)")
 flags.DEFINE_string("xla_flags", "", "appended to XLA_FLAGS before jax starts (e.g. "
                     "--xla_gpu_enable_command_buffer=... to try CUDA graphs)")
 FLAGS = flags.FLAGS
@@ -213,15 +210,13 @@ def bench_model(name, contexts, mesh, deadline, records, save):
                      budget=FLAGS.budget if method in SPARSE else None,
                      target_layers=tcfg.num_layers, device=jax.devices()[0].device_kind,
                      devices=len(tcache.k[0].sharding.device_set),  # the cache's, as placed
-                     jax_version=jax.__version__, xla_flags=os.environ.get("XLA_FLAGS", ""),
-                     draft_finish=FLAGS.draft_finish)
+                     jax_version=jax.__version__, xla_flags=os.environ.get("XLA_FLAGS", ""))
           try:
             if method.startswith("vanilla"):
               impl = "reference" if method == "vanilla_xla" else "auto"
               times, tcache = bench_vanilla(target, tcache, context, impl, FLAGS.repeats, mesh)
             else:
               cfg = SpecConfig(gamma=gamma, policy=policy, mesh=mesh,
-                               draft_finish=FLAGS.draft_finish,
                                draft_kv="full" if method == "sd_full" else "streaming")
               times, tcache, dcache = bench_spec(target, draft, tcache, dcache, context, cfg,
                                                  FLAGS.repeats, str(batch) in FLAGS.phase_batches)

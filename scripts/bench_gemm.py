@@ -44,11 +44,6 @@ flags.DEFINE_integer("ways", 1, "tensor-parallel ways: time one device's shard")
 flags.DEFINE_list("parts", ["1"], "each projection also as this many f32 partial products over "
                   "slices of K (`partial_products`: a consumer would sum them); 1: the plain "
                   "product")
-flags.DEFINE_bool("projections", True, "time each projection (off: only --layer_finish)")
-flags.DEFINE_bool("layer_finish", False, "also time each pair's draft layer finish (o "
-                  "projection .. MLP residual) as XLA's ops and as kernels.layer_finish")
-flags.DEFINE_list("finish_tunings", [""], "layer_finish tunings to time, each 'key=value/...' "
-                  "over the default (e.g. 'fu=32/ks=256'; '': the default)")
 flags.DEFINE_integer("flush_mb", 256, "weight bytes per timed jit (> L2: no cache reuse)")
 flags.DEFINE_integer("repeats", 5, "timed calls per measurement (median)")
 flags.DEFINE_string("xla_flags", "", "appended to XLA_FLAGS before jax starts")
@@ -64,16 +59,13 @@ def plain_dot(x, w):
 
 
 def launches_per_call(fn, args) -> int:
-  """Kernels one call of jitted `fn` launches: the fusions, copies and
-  sorts at the top of its compiled module and its custom calls (bitcasts
-  and tuples launch nothing)."""
+  """Kernels one call of jitted `fn` launches: the fusions, custom calls and
+  sorts at the top of its compiled module (bitcasts and tuples launch
+  nothing)."""
   text = jax.jit(fn).lower(*args).compile().as_text()
   entry = text[text.index("\nENTRY "):]
   entry = entry[:entry.index("\n}")]
-  # custom calls (cuBLAS, Pallas kernels) wherever they sit: a Pallas call
-  # of a nested jit stays in a called computation
-  return (len(re.findall(r"= \S+ (?:fusion|sort|copy|reduce|transpose)\(", entry))
-          + len(re.findall(r"= \S+ custom-call\(", text)))
+  return len(re.findall(r"= \S+ (?:fusion|custom-call|sort|copy|reduce|transpose)\(", entry))
 
 
 def projections(cfg, ways: int) -> dict[str, tuple[int, int]]:
@@ -100,9 +92,8 @@ def main(argv):
               xla_flags=os.environ.get("XLA_FLAGS", ""))
   flush = (FLAGS.flush_mb if not FLAGS.smoke else 4) * 2**20
 
-  def timed(fn, args, with_kernels=False):
-    """(device ms or None, wall ms) of one call of jitted `fn(*args)`, and
-    with `with_kernels` the GPU microseconds per kernel name of a call."""
+  def timed(fn, args):
+    """(device ms or None, wall ms) of one call of jitted `fn(*args)`."""
     f = jax.jit(fn)
     jax.block_until_ready(f(*args))
     walls = []
@@ -113,8 +104,7 @@ def main(argv):
           jax.block_until_ready(f(*args))
           walls.append(1e3 * (time.perf_counter() - t0))
     dev = t.ms("call")
-    res = (statistics.median(dev) if dev else None), statistics.median(walls)
-    return res + (t.kernel_us("call"),) if with_kernels else res
+    return (statistics.median(dev) if dev else None), statistics.median(walls)
 
   n = flush // 2
   src = jnp.ones((n,), dtype)
@@ -130,7 +120,7 @@ def main(argv):
     for role, hf in zip(("target", "draft"), pairs[name]):
       cfg = ModelConfig.from_hf(dict(hf), dtype="bfloat16")
       ways = FLAGS.ways if role == "target" else 1  # the draft runs whole
-      for proj, (k, n_out) in (projections(cfg, ways) if FLAGS.projections else {}).items():
+      for proj, (k, n_out) in projections(cfg, ways).items():
         wbytes = k * n_out * 2
         copies = max(2, min(64, math.ceil(flush / wbytes)))
         key, kw, kx = jax.random.split(key, 3)
@@ -158,55 +148,9 @@ def main(argv):
                   f"{rec['kernels_per_product']:.1f} kernels", flush=True)
           del xs
         del ws
-      if FLAGS.layer_finish and role == "draft":
-        records += time_layer_finish(name, cfg, flush, timed, copy_tbs, meta)
   write_json(out_json, records)
   save_plot(records, out_json.replace(".json", ".png"))
   print(f"wrote {out_json}")
-
-
-def time_layer_finish(name, cfg, flush, timed, copy_tbs, meta) -> list[dict]:
-  """The second half of a layer (`kernels.layer_finish`) at each row count:
-  XLA's ops (the reference, as the model runs it) and the kernel per tuning,
-  over enough layers' weights to overflow L2."""
-  from kernels.layer_finish.ops import layer_finish
-  d, a, f = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.intermediate_size
-  wbytes = 2 * (a * d + 2 * d * f + f * d)
-  copies = max(2, min(16, math.ceil(flush / wbytes)))
-  keys = iter(jax.random.split(jax.random.key(7), 4 * copies + 2 * len(FLAGS.rows)))
-  normal = lambda shape, scale: (scale * jax.random.normal(next(keys), shape)).astype(jnp.bfloat16)
-  layers = [(normal((a, d), a ** -0.5), 1 + normal((d,), 0.1), normal((d, 2 * f), d ** -0.5),
-             normal((f, d), f ** -0.5)) for _ in range(copies)]
-  out = []
-  for rows in (int(r) for r in FLAGS.rows):
-    x, attn = normal((rows, d), 1.0), normal((rows, a), 1.0)
-    variants = [("xla", {})] + [("kernel", dict(kv.split("=") for kv in t.split("/") if kv))
-                                for t in FLAGS.finish_tunings]
-    for impl, tuning in variants:
-      tuning = {k: int(v) for k, v in tuning.items()}
-      def fn(x, attn, layers, impl=impl, tuning=tuning):
-        for w in layers:  # chained: each layer's output is the next one's input
-          x = layer_finish(x, attn, *w, eps=cfg.rms_norm_eps,
-                           impl="reference" if impl == "xla" else "gpu", **tuning)
-        return x
-      try:
-        dev_ms, wall_ms, kernel_us = timed(fn, (x, attn, layers), with_kernels=True)
-      except Exception as e:  # noqa: BLE001 -- a tuning the kernel rejects
-        print(f"{name} layer_finish rows={rows} {impl} {tuning}: {type(e).__name__}: {e}"[:300])
-        continue
-      us = 1e3 * (dev_ms or wall_ms) / copies
-      rec = dict(meta, kernel="layer_finish", model=name, role="draft", impl=impl,
-                 tuning=tuning, rows=rows, weight_bytes=wbytes, copies=copies, us=us,
-                 kernels_per_call=launches_per_call(fn, (x, attn, layers)) / copies,
-                 gpu=dev_ms is not None, tbs=wbytes / (us * 1e-6) / 1e12)
-      rec["bw_frac"] = rec["tbs"] / copy_tbs
-      rec["kernel_us"] = {k: v / copies for k, v in list(kernel_us.items())[:12]}
-      out.append(rec)
-      print(f"{name} layer_finish rows={rows:3d} {impl:6s} {tuning} {us:8.2f} us  "
-            f"{rec['bw_frac']:6.0%} of copy BW  {rec['kernels_per_call']:.1f} kernels  "
-            + " ".join(f"{k[:24]}:{v:.1f}" for k, v in list(rec["kernel_us"].items())[:6]),
-            flush=True)
-  return out
 
 
 def save_plot(records, path):

@@ -147,18 +147,6 @@ class DeviceTimer:
     labels = [lab for lab in self._labels if lab.rsplit("#", 1)[0] == name]
     return parse_device_times(self._ev, labels, n_calls or [1] * len(labels))
 
-  def kernel_us(self, name: str) -> dict[str, float]:
-    """GPU microseconds per kernel name, summed over the `name` windows and
-    divided by their count (empty without device events)."""
-    labels = [lab for lab in self._labels if lab.rsplit("#", 1)[0] == name]
-    host = [(e["ts"], e["ts"] + e.get("dur", 0)) for e in self._ev
-            if e.get("ph") == "X" and e.get("name") in labels]
-    out: dict[str, float] = {}
-    for e in device_events(self._ev):
-      if any(t0 <= e["ts"] <= t1 for t0, t1 in host):
-        out[e["name"]] = out.get(e["name"], 0.0) + e.get("dur", 0) / max(1, len(labels))
-    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
-
   def ms(self, name: str) -> list[float] | None:
     if not device_events(self._ev):
       return None

@@ -52,9 +52,6 @@ flags.DEFINE_integer("top", 25, "kernels listed per method")
 flags.DEFINE_list("methods", ["vanilla", "dustin"], "steps profiled: vanilla and/or dustin")
 flags.DEFINE_integer("asrun_steps", 20, "steps queued back to back for step_ms (no profiler)")
 flags.DEFINE_string("out_name", "trace_step.json", "output file in out_dir")
-flags.DEFINE_enum("draft_finish", "xla", ["xla", "kernel"], "each draft layer's "
-                  "o projection .. MLP as XLA's ops or one persistent kernel "
-                  "(kernels.layer_finish)")
 flags.DEFINE_string("xla_flags", "", "appended to XLA_FLAGS before jax starts")
 flags.DEFINE_bool("save_hlo", False, "also write the dustin step's compiled HLO text "
                   "(<out_name>.hlo.txt.gz): what each fused kernel computes")
@@ -146,8 +143,7 @@ def main(argv):
   max_len = ctx + (n_steps + 2) * (FLAGS.gamma + 1) + 8
   out = {"device": jax.devices()[0].device_kind, "devices": FLAGS.mesh_model,
          "model": FLAGS.model, "batch": b, "context": ctx, "gamma": FLAGS.gamma,
-         "jax_version": jax.__version__, "xla_flags": os.environ.get("XLA_FLAGS", ""),
-         "draft_finish": FLAGS.draft_finish}
+         "jax_version": jax.__version__, "xla_flags": os.environ.get("XLA_FLAGS", "")}
 
   vstep = bind_vanilla_step(target, mesh=mesh)
   box = {"v": VanillaState(random_cache(tcfg, b, max_len, ctx, 11, mesh=mesh),
@@ -161,8 +157,7 @@ def main(argv):
 
   policy = policy_from_config(dict(policy="dustin", budget=512, n_sink=16, n_window=64, m=128),
                               tcfg, dcfg)
-  cfg = SpecConfig(gamma=FLAGS.gamma, policy=policy, draft_kv="streaming", mesh=mesh,
-                   draft_finish=FLAGS.draft_finish)
+  cfg = SpecConfig(gamma=FLAGS.gamma, policy=policy, draft_kv="streaming", mesh=mesh)
   dcache = random_cache(dcfg, b, max_len, ctx, 13, mesh=dmesh)
   st = {"s": spec_state_at(box.pop("v").cache, dcache, ctx, policy, mesh)}
   sstep = bind_spec_step(target, draft, cfg)

@@ -16,7 +16,6 @@ from dustin_jax.sampling import SamplingConfig, probs
 from dustin_jax.speculative.engine import generate_speculative, init_state
 from dustin_jax.speculative.step import SpecConfig, accept, spec_step
 from dustin_jax.weights import load_hf_checkpoint
-from kernels.layer_finish.ops import layer_finish
 
 
 @pytest.fixture(scope="module")
@@ -118,29 +117,6 @@ def test_streaming_draft_is_still_lossless(pair, rng):
   cfg = SpecConfig(gamma=3, draft_kv="streaming", draft_sink=2, draft_window=6)
   ours, stats = generate_speculative(target, draft, prompts, max_new_tokens=16, max_len=64, cfg=cfg)
   assert ours == ref
-
-
-def test_draft_layer_finish_kernel_is_still_lossless(pair, rng, monkeypatch):
-  # each draft layer's second half through kernels.layer_finish (the
-  # persistent kernel on a GPU, its reference elsewhere)
-  from dustin_jax.models import decoder
-  traced = []
-
-  def traced_layer_finish(x, *args, **kwargs):
-    traced.append(x.shape)
-    return layer_finish(x, *args, **kwargs)
-  monkeypatch.setattr(decoder, "layer_finish", traced_layer_finish)
-  target, draft = pair
-  prompts = prompts_of(rng, [30, 12])
-  ref, _ = generate(target, prompts, max_new_tokens=16, max_len=64)
-  cfg = SpecConfig(gamma=3, draft_kv="streaming", draft_sink=2, draft_window=6,
-                   draft_finish="kernel")
-  ours, stats = generate_speculative(target, draft, prompts, max_new_tokens=16, max_len=64, cfg=cfg)
-  assert ours == ref and stats.accepted > 0
-  # the draft's passes only (2 rows, 2 tokens at most), never the target's
-  assert traced and all(b * t <= 2 * 2 for b, t, _ in traced)
-  with pytest.raises(ValueError, match="draft_finish"):
-    SpecConfig(draft_finish="fused")
 
 
 def test_self_draft_accepts_everything(pair, rng):

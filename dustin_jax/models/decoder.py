@@ -32,7 +32,6 @@ from dustin_jax import sharding
 from dustin_jax.cache import KVCache, write_rows
 from dustin_jax.config import ModelConfig, rope_inv_freq
 from kernels.decode_attention.ops import decode_attention
-from kernels.layer_finish.ops import layer_finish
 from kernels.sparse_verify.ops import sparse_verify_packed
 from kernels.window_attention.ops import window_attention
 
@@ -235,33 +234,23 @@ class Block(nnx.Module):
     """(q, k, v) of the residual stream `x` [B, T, d] (see Attention.qkv)."""
     return self.self_attn.qkv(self.input_layernorm(x), cos, sin)
 
-  def finish(self, x, attn, kernel_impl=None):
+  def finish(self, x, attn):
     """The residual stream after this layer, from its input `x` [B, T, d]
-    and the attention output `attn` [B, T, Hq, D]. With `kernel_impl`, the
-    same through `layer_finish` (one persistent kernel on GPU: a draft
-    layer-pass of a few rows)."""
-    if kernel_impl is not None and self.self_attn.o_proj.bias is None:
-      b, t = attn.shape[:2]
-      return layer_finish(x, attn.reshape(b, t, -1), self.self_attn.o_proj.kernel[...],
-                          self.post_attention_layernorm.weight[...],
-                          self.mlp.gate_up_proj.kernel[...], self.mlp.down_proj.kernel[...],
-                          eps=self.post_attention_layernorm.eps, impl=kernel_impl)
+    and the attention output `attn` [B, T, Hq, D]."""
     x = x + self.self_attn.out(attn)
     return x + self.mlp(self.post_attention_layernorm(x))
 
   def __call__(self, x, cos, sin, k_cache, v_cache, lengths, kv_indices, impl, mesh,
-               window=None, finish="xla"):
-    # the finish kernel runs per device on whole operands: not under a mesh
-    kernel_impl = impl if finish == "kernel" and mesh is None else None
+               window=None):
     if window is not None or kv_indices is not None:
       return self.packed_call(x, cos, sin, k_cache, v_cache, lengths, impl, mesh,
-                              window=window, kv_indices=kv_indices, kernel_impl=kernel_impl)
+                              window=window, kv_indices=kv_indices)
     q, k, v = self.qkv(x, cos, sin)
     out, k_cache, v_cache = attention(q, k, v, k_cache, v_cache, lengths, impl, mesh)
-    return self.finish(x, out, kernel_impl), k_cache, v_cache, q
+    return self.finish(x, out), k_cache, v_cache, q
 
   def packed_call(self, x, cos, sin, k_cache, v_cache, lengths, impl, mesh, *, window,
-                  kv_indices, kernel_impl=None):
+                  kv_indices):
     """The layer over a subset of the cache (a streaming draft's window or a
     sparse verification's rows): the attention is one kernel
     (`packed_attention`) fed by the packed q/k/v projection."""
@@ -271,10 +260,10 @@ class Block(nnx.Module):
     # the roped queries only where a caller taps them (XLA drops them elsewhere)
     r = qkv.shape[3] - 2
     q = qkv[:, :, :, :r].reshape(*x.shape[:2], -1, qkv.shape[-1])
-    return self.finish(x, out, kernel_impl), k_cache, v_cache, apply_rope(q, cos, sin)
+    return self.finish(x, out), k_cache, v_cache, apply_rope(q, cos, sin)
 
 
-def run_block(layer: Block, *args, impl, mesh, window=None, finish="xla"):
+def run_block(layer: Block, *args, impl, mesh, window=None):
   """`layer(*args, impl, mesh)` through one jitted function shared by every
   layer. Why: jit traces and lowers a function once per distinct argument
   shape, so a step with ~150 layer applications (every layer of the target,
@@ -282,12 +271,12 @@ def run_block(layer: Block, *args, impl, mesh, window=None, finish="xla"):
   instead of ~150; XLA inlines the calls, so the compiled program is the
   one an inline loop would give."""
   graphdef, state = nnx.split(layer)
-  return _block(graphdef, state, *args, impl=impl, mesh=mesh, window=window, finish=finish)
+  return _block(graphdef, state, *args, impl=impl, mesh=mesh, window=window)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "impl", "mesh", "window", "finish"))
-def _block(graphdef, state, *args, impl, mesh, window, finish):
-  return nnx.merge(graphdef, state)(*args, impl, mesh, window, finish)
+@functools.partial(jax.jit, static_argnames=("graphdef", "impl", "mesh", "window"))
+def _block(graphdef, state, *args, impl, mesh, window):
+  return nnx.merge(graphdef, state)(*args, impl, mesh, window)
 
 
 class Decoder(nnx.Module):
@@ -304,17 +293,14 @@ class Decoder(nnx.Module):
 
   def __call__(self, tokens: jax.Array, cache: KVCache, *,
                kv_indices: jax.Array | None = None, window: tuple[int, int] | None = None,
-               tap_layers=(), impl: str = "auto", mesh=None, finish: str = "xla"):
+               tap_layers=(), impl: str = "auto", mesh=None):
     """Run `tokens[B, T]` at positions `cache.lengths[b] + t`.
 
     Writes their K/V into the cache (lengths unchanged: commit separately).
     `kv_indices[B, K]`: attend only to those context rows plus the new block
     (None: the full cache); `window = (n_sink, n_window)`: only to the first
     n_sink and the last n_window context rows plus the block (a streaming
-    cache). `mesh`: run attention per device (sharded step). `finish`:
-    "kernel" runs each layer's second half (o projection to the MLP's
-    residual add) as `kernels.layer_finish` (a draft pass of a few rows),
-    "xla" as separate XLA ops.
+    cache). `mesh`: run attention per device (sharded step).
     Returns (hidden [B, T, d] after the final norm,
     cache, {layer: queries [B, T, Hq, D] after rope} for `tap_layers`).
     """
@@ -325,7 +311,7 @@ class Decoder(nnx.Module):
     taps = {}
     for i, layer in enumerate(self.layers):
       x, k, v, q = run_block(layer, x, cos, sin, cache.k[i], cache.v[i], cache.lengths,
-                             kv_indices, impl=impl, mesh=mesh, window=window, finish=finish)
+                             kv_indices, impl=impl, mesh=mesh, window=window)
       cache = cache.with_layer(i, k, v)
       if i in tap_layers:
         taps[i] = q

@@ -37,7 +37,6 @@ from dustin_jax.selection.base import FullCache, Policy
 from dustin_jax.sharding import draft_mesh
 
 DRAFT_KV_MODES = ("full", "streaming")
-DRAFT_FINISH = ("xla", "kernel")
 VERIFY_MODES = ("sparse", "full")
 
 
@@ -52,8 +51,6 @@ class SpecConfig:
   draft_sink: int = 16
   draft_window: int = 496
   impl: str = "auto"              # attention kernels: auto | reference | gpu | tpu
-  draft_finish: str = "xla"       # "kernel": each draft layer's o projection .. MLP as
-                                  # one persistent kernel (kernels/layer_finish)
   mesh: Mesh | None = None        # attention runs per device (the draft whole on
                                   # each: sharding.draft_mesh)
 
@@ -62,8 +59,6 @@ class SpecConfig:
       raise ValueError(f"gamma must be >= 1, got {self.gamma}")
     if self.draft_kv not in DRAFT_KV_MODES:
       raise ValueError(f"draft_kv must be one of {DRAFT_KV_MODES}, got {self.draft_kv!r}")
-    if self.draft_finish not in DRAFT_FINISH:
-      raise ValueError(f"draft_finish must be one of {DRAFT_FINISH}, got {self.draft_finish!r}")
     if self.draft_kv == "streaming" and self.draft_sink + self.draft_window < 1:
       raise ValueError("a streaming draft cache needs draft_sink + draft_window >= 1")
 
@@ -134,7 +129,7 @@ def draft_phase(graphdef, params, cache: KVCache, ds: DecodeState, signals, cfg:
     window = (cfg.draft_sink, cfg.draft_window) if cfg.draft_kv == "streaming" else None
     hidden, c, taps = model(tokens, c.with_lengths(at), window=window,
                             tap_layers=policy.draft_tap_layers, impl=cfg.impl,
-                            mesh=mesh, finish=cfg.draft_finish)
+                            mesh=mesh)
     return model.logits(hidden[:, -1]), taps, c
 
   def pick(logits, key):
