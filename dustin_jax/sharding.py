@@ -220,7 +220,8 @@ def _shards(n: int, m: int) -> int:
 
 def memory_plan(target: ModelConfig, draft: ModelConfig | None, *, batch: int, max_len: int,
                 data: int, model: int, gamma: int = 4, capacity: int | None = None,
-                prompt_len: int | None = None, token_block: int = 8192) -> MemoryPlan:
+                prompt_len: int | None = None, token_block: int = 8192,
+                f32_prefill_attention: bool = False) -> MemoryPlan:
   """Per-device bytes, counted from the shapes alone (before any allocation).
 
   Weights: tensor-parallel matrices split over `model`, norms replicated;
@@ -230,8 +231,10 @@ def memory_plan(target: ModelConfig, draft: ModelConfig | None, *, batch: int, m
   layer and the selection signals; prefill: the layer-major prefill's
   activations over `prompt_len` (default `max_len`) tokens of every
   sequence (the residual stream in and out, q and the attention output, k
-  and v, one tile of `token_block` tokens through the MLP) -- lower bounds
-  that exclude XLA's own temporary buffers (leave headroom)."""
+  and v, one tile of `token_block` tokens through the MLP; with
+  `f32_prefill_attention`, the f32 copies of q, k, v and the output that the
+  blockwise jnp attention makes) -- lower bounds that exclude XLA's own
+  temporary buffers (leave headroom)."""
   def weights(cfg: ModelConfig, model: int) -> int:
     el = jnp.dtype(cfg.dtype).itemsize
     d, hd, f, v = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size, cfg.vocab_size
@@ -265,7 +268,8 @@ def memory_plan(target: ModelConfig, draft: ModelConfig | None, *, batch: int, m
     kv //= _shards(cfg.num_kv_heads * kv_replication(cfg, model), model)
     mlp = 3 * min(token_block, tokens) * cfg.intermediate_size // _shards(cfg.intermediate_size,
                                                                           model)
-    return (tokens * (2 * cfg.hidden_size + 2 * q + kv) + mlp) * el
+    f32 = tokens * (2 * q + kv) * 4 if f32_prefill_attention else 0
+    return (tokens * (2 * cfg.hidden_size + 2 * q + kv) + mlp) * el + f32
 
   return MemoryPlan(devices=data * model, data=data, model=model,
                     weights=weights(target, model) + (weights(draft, 1) if draft else 0),

@@ -40,16 +40,17 @@ from jax import lax
 import jax.numpy as jnp
 import numpy as np
 
-from dustin_jax import weights
+from dustin_jax import sharding, weights
 from dustin_jax.assets import ensure_model
 from dustin_jax.cache import KVCache
 from dustin_jax.config import ModelConfig
 from dustin_jax.decoding import Model
 from dustin_jax.models import prefill as lm
 from dustin_jax.profiling.runtime import REAL_DRAFT, REAL_TARGET
+from kernels.common import resolve_impl
 from kernels.prefill_attention.reference import prefill_attention_reference
 from scripts.benchmarking import (benchmark_pairs, capacity_bytes, compile_cache_from_flag,
-                                  median_seconds, need_bytes, pyplot, random_model, save_figure,
+                                  median_seconds, pyplot, random_model, save_figure,
                                   write_json)
 
 flags.DEFINE_string("out", "results/h200/prefill.json", "JSON records; the PNG goes beside it")
@@ -79,6 +80,16 @@ def make_prompts(batch, context, vocab, seed, ragged):
   lens = (rng.integers(context - context // 8, context + 1, size=batch) if ragged
           else np.full(batch, context))
   return [rng.integers(0, vocab, size=int(n) + 1).tolist() for n in lens]
+
+
+def prefill_bytes(tcfg, dcfg, batch, context, token_block, impl) -> int:
+  """Peak bytes of prefilling both models at `batch` x `context`
+  (`sharding.memory_plan`: both models' weights and caches, the larger
+  prefill's activations; the jnp attention's f32 copies where it runs)."""
+  plan = sharding.memory_plan(tcfg, dcfg, batch=batch, max_len=context, data=1, model=1,
+                              token_block=token_block,
+                              f32_prefill_attention=resolve_impl(impl) == "reference")
+  return plan.total
 
 
 def time_new(model, prompts, max_len, impl, token_block, warmup, repeats):
@@ -171,7 +182,6 @@ def main(argv):
       runs.append((name, tcfg, dcfg))
   contexts = sorted(int(c) for c in FLAGS.contexts)
   batches = [int(b) for b in FLAGS.batches]
-  itemsize = 4 if dtype == "float32" else 2
   for name, t, d in runs:
     if not FLAGS.real_pair:  # weights made per pair, dropped after it
       t, d = random_model(t, 0), random_model(d, 1)
@@ -185,8 +195,7 @@ def main(argv):
                    batch=batch, context=context, impl=FLAGS.impl, token_block=token_block,
                    dtype=dtype, device=device, platform=platform, jax_version=jax.__version__,
                    warmup=warmup, repeats=FLAGS.repeats, ragged=FLAGS.ragged)
-        need = max(need_bytes(m.cfg, batch, context, token_block, itemsize) for m in (t, d))
-        need += min(t.cfg.num_params(), d.cfg.num_params()) * itemsize  # the other model's weights
+        need = prefill_bytes(t.cfg, d.cfg, batch, context, token_block, FLAGS.impl)
         if need > 0.9 * cap:
           rec.update(skipped="memory", need_gib=need / 2**30, capacity_gib=cap / 2**30)
           print(f"skip {name} B={batch} ctx={context}: ~{need / 2**30:.1f} GiB > "

@@ -401,20 +401,6 @@ def capacity_bytes():
   return int(info["MemAvailable"].split()[0]) * 1024
 
 
-def need_bytes(cfg, batch, s, token_block, itemsize):
-  """Estimated peak bytes of one model's prefill: weights, cache, the
-  activations of one layer over the whole batch (x, q, k, v, attention out,
-  next x, with f32 attention copies on the reference path), one tile of the
-  MLP."""
-  n = batch * s
-  weights = cfg.num_params() * itemsize
-  cache = 2 * cfg.num_layers * batch * cfg.num_kv_heads * s * cfg.head_dim * itemsize
-  qd, kd = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-  acts = n * (2 * cfg.hidden_size + 2 * qd + 2 * kd) * itemsize + n * (2 * qd + 2 * kd) * 4
-  tile = 3 * min(token_block, n) * cfg.intermediate_size * itemsize
-  return weights + cache + acts + tile
-
-
 def time_by_source(per: dict, count: dict, source_of: dict) -> list[dict]:
   """GPU us and launches per step summed by the code a kernel comes from:
   the function chain of its `op_name` (`hlo_op_names`: "RMSNorm.__call__ <

@@ -35,12 +35,16 @@ def test_memory_estimate_skips_what_does_not_fit():
   code = """
 from configs import shapes
 from dustin_jax.config import ModelConfig
-from scripts.benchmarking import need_bytes
-t = ModelConfig.from_hf(dict(shapes.QWEN25_7B), dtype="bfloat16")
-print(need_bytes(t, 16, 32768, 8192, 2))
+from scripts.bench_prefill import prefill_bytes
+t, d = (ModelConfig.from_hf(dict(c), dtype="bfloat16") for c in shapes.PAIRS["qwen7b"])
+print(prefill_bytes(t, d, 16, 32768, 8192, "gpu"), prefill_bytes(t, d, 16, 32768, 8192, "reference"),
+      prefill_bytes(t, d, 16, 131072, 8192, "gpu"))
 """
   p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
   assert p.returncode == 0, p.stderr[-2000:]
-  need = int(p.stdout)
-  # weights 15.2 GB + cache 16 x 32k x 28 layers x 2 x 4 x 128 x 2 B = 15.0 GB + activations
-  assert 30e9 < need < 139 * 2**30  # fits an H200
+  kernel, reference, long = map(int, p.stdout.split())
+  # weights 16.2 GB, caches 30.1 + 6.4 GB, the target's activations 17.0 GB
+  assert 69e9 < kernel < 139 * 2**30  # fits an H200
+  tokens = 16 * 32768
+  assert reference - kernel == tokens * (2 * 28 * 128 + 2 * 4 * 128) * 4  # the f32 copies
+  assert long > 139 * 2**30  # 16 x 128k does not
