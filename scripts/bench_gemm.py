@@ -154,9 +154,10 @@ def main(argv):
 
 
 def save_plot(records, path):
-  """Share of the copy bandwidth per projection and row count; a row of
-  panels per model, a column per role."""
-  gemms = [r for r in records if r["kernel"] == "gemm"]
+  """Share of the copy bandwidth of XLA's GEMM (one product, not `--parts`
+  partial products) per projection and row count; a row of panels per
+  model, a column per role."""
+  gemms = [r for r in records if r["kernel"] == "gemm" and r["parts"] == 1]
   models = sorted({r["model"] for r in gemms})
   roles = sorted({r["role"] for r in gemms}, reverse=True)  # target, draft
   if not models:
