@@ -39,7 +39,7 @@ class BoundStep:
   outputs XLA re-records nearly every command of the step before every
   launch (milliseconds of host time per step). With every result aliased to a
   donated input only the temporary buffer can still move between launches;
-  `dustin_jax.config.STABLE_GRAPH_FLAG` pins that one too."""
+  the update mode in `dustin_jax.config.GRAPH_FLAGS` pins that one too."""
 
   def __init__(self, fn, models: Sequence[Model], donate: tuple[int, ...] = (0,),
                *, outputs_from: int, **static):

@@ -23,25 +23,35 @@ SUPPORTED_ROPE_TYPES = ("default", "llama3", "yarn")
 DTYPES = ("float32", "bfloat16")
 
 
-# XLA launches a jitted step as one CUDA graph and, before each launch,
-# re-records every command whose buffers moved since the last one (~1900
-# commands, ~10 ms of host time for the 7B + 0.5B speculative step). The
-# bound steps write their results in place (generate.BoundStep); this flag
-# keeps the temporaries at fixed addresses too, so the graph is launched
-# as recorded (results/h200/host_dispatch/). jaxlib 0.10 rejects the flag.
-STABLE_GRAPH_FLAG = "--xla_gpu_command_buffer_update_mode=SKIP_TEMP"
-STABLE_GRAPH_MIN_JAXLIB = (0, 11, 2)
+# XLA launches a jitted step as one CUDA graph. Two settings of that graph,
+# each added where this jaxlib knows it and the user has not set it:
+# * the update mode: before each launch XLA re-records every command whose
+#   buffers moved since the last one (~1900 commands, ~10 ms of host time
+#   for the 7B + 0.5B speculative step). The bound steps write their results
+#   in place (generate.BoundStep); SKIP_TEMP keeps the temporaries at fixed
+#   addresses too, so the graph is launched as recorded
+#   (results/h200/host_dispatch/). jaxlib 0.10 rejects it.
+# * the scheduling mode: CONCURRENT records the data dependencies between
+#   commands instead of one serial chain, so kernels that do not depend on
+#   each other (the target-side scoring and the draft passes, for one) may
+#   run side by side: 2% off the speculative step at 32k x 16
+#   (results/h200/concurrent/).
+GRAPH_FLAGS = (
+    ("--xla_gpu_command_buffer_update_mode=SKIP_TEMP", (0, 11, 2)),
+    ("--xla_gpu_command_buffer_scheduling_mode=CONCURRENT", (0, 10, 2)),
+)
 
 
 def append_xla_flags(extra: str) -> None:
-  """Append `extra` to XLA_FLAGS, with `STABLE_GRAPH_FLAG` first where this
-  jaxlib knows it and no update mode is set already (setting one is how to
-  opt out). XLA reads the flags once, when JAX starts its backend: call this
-  before anything touches a device."""
+  """Append `extra` to XLA_FLAGS, after each of `GRAPH_FLAGS` that this
+  jaxlib knows and whose option is not set already (setting the option is
+  how to opt out). XLA reads the flags once, when JAX starts its backend:
+  call this before anything touches a device."""
   flags = f"{os.environ.get('XLA_FLAGS', '')} {extra}".strip()
-  if ("command_buffer_update_mode" not in flags
-      and _jaxlib_version() >= STABLE_GRAPH_MIN_JAXLIB):
-    flags = f"{STABLE_GRAPH_FLAG} {flags}".strip()
+  jaxlib = _jaxlib_version()
+  defaults = [flag for flag, since in GRAPH_FLAGS
+              if jaxlib >= since and flag.split("=")[0] + "=" not in flags]
+  flags = " ".join(defaults + ([flags] if flags else []))
   if flags:
     os.environ["XLA_FLAGS"] = flags
 

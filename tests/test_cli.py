@@ -166,20 +166,29 @@ def test_vanilla_method_ignores_the_policy():
                                           for s in r["sequences"])
 
 
+_SKIP_TEMP = "--xla_gpu_command_buffer_update_mode=SKIP_TEMP"
+_CONCURRENT = "--xla_gpu_command_buffer_scheduling_mode=CONCURRENT"
+
+
 @pytest.mark.parametrize("jaxlib, preset, extra, want", [
-    ((0, 11, 2), "", "--a=1", "--xla_gpu_command_buffer_update_mode=SKIP_TEMP --a=1"),
-    ((0, 12, 0), "--b=2", "", "--xla_gpu_command_buffer_update_mode=SKIP_TEMP --b=2"),
-    ((0, 10, 2), "--b=2", "--a=1", "--b=2 --a=1"),  # an older jaxlib rejects the flag
-    ((0, 11, 2), "", "--xla_gpu_command_buffer_update_mode=X",
-     "--xla_gpu_command_buffer_update_mode=X"),  # a mode set already wins
+    ((0, 11, 2), "", "--a=1", f"{_SKIP_TEMP} {_CONCURRENT} --a=1"),
+    ((0, 12, 0), "--b=2", "", f"{_SKIP_TEMP} {_CONCURRENT} --b=2"),
+    ((0, 10, 2), "--b=2", "--a=1", f"{_CONCURRENT} --b=2 --a=1"),  # 0.10 rejects SKIP_TEMP
+    ((0, 9, 0), "", "", None),  # a jaxlib older than both: XLA_FLAGS untouched
+    ((0, 11, 2), "", "--xla_gpu_command_buffer_update_mode=X",  # a mode set already wins
+     f"{_CONCURRENT} --xla_gpu_command_buffer_update_mode=X"),
+    ((0, 11, 2), "--xla_gpu_command_buffer_scheduling_mode=SERIALIZE", "",
+     f"{_SKIP_TEMP} --xla_gpu_command_buffer_scheduling_mode=SERIALIZE"),
 ])
-def test_append_xla_flags_adds_the_stable_graph_mode_where_jaxlib_knows_it(
+def test_append_xla_flags_adds_the_graph_modes_where_jaxlib_knows_them(
     monkeypatch, jaxlib, preset, extra, want):
   from dustin_jax import config
   monkeypatch.setattr(config, "_jaxlib_version", lambda: jaxlib)
   monkeypatch.setenv("XLA_FLAGS", preset)
+  if not preset:
+    monkeypatch.delenv("XLA_FLAGS")
   config.append_xla_flags(extra)
-  assert os.environ["XLA_FLAGS"] == want
+  assert os.environ.get("XLA_FLAGS") == want
 
 
 def test_this_jaxlib_version_is_read():
