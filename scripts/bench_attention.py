@@ -94,10 +94,13 @@ def one_budget(budgets):
 def topk_sweep(S: int, K: int) -> list[dict]:
   """Tunings of the Pallas top-k beside its default: one program per row
   (chunk 0) or chunks of S / 16, S / 32 keys, blocks of 512 or 1024
-  keys, passes of 2 or 4 radix bits."""
+  keys, passes of 2 or 4 radix bits; and the default chunks with the
+  candidates taken in groups of 0 (none), 2 or 8 segments."""
   chunks = [0] + [c for c in (S // 16, S // 32) if c >= 4 * K]
-  return [dict(chunk=c, block=blk, radix_bits=bits)
-          for c in chunks for blk in (512, 1024) for bits in (2, 4)]
+  return ([dict(chunk=c, block=blk, radix_bits=bits)
+           for c in chunks for blk in (512, 1024) for bits in (2, 4)]
+          + [dict(group=g) for g in (0, 2, 8)]
+          + [dict(group=g, block=512, radix_bits=4) for g in (0, 4)])
 
 
 def rel_err(out, ref):

@@ -35,18 +35,22 @@ lax.top_k's tie rule; when c_lo == k every bucket key is taken, whatever the
 ties inside it.  No float is ever compared as a float: -0.0 < +0.0 and NaNs
 order by their bits, as the reference.
 
-Rows longer than a few chunks run in two calls of this kernel (``chunk``):
-first P programs per row, each the top-k of its chunk of L positions, giving
-P * k candidates per row in ascending index order; then one program per row
-over those candidates, whose output index is loaded from the candidates'
-index array at the selected slots.  Exact: an entry of the row's top-k is
-beaten (larger key, or equal key and lower index) by fewer than k entries of
-the row, so by fewer than k of its chunk, so it is among its chunk's
-candidates; and candidate order is index order, so the second call's ties
-still go to the lower index.  A last chunk shorter than k fills its slots
-with padding lanes (index >= S, a value whose key is INT32_MIN), which the
-second call never takes: each of its >= k real candidates beats them (same
-or larger key, lower slot).
+Rows longer than a few chunks run in several calls of this kernel
+(``chunk``): first P programs per row, each the top-k of its chunk of L
+positions, giving P * k candidates per row in ascending index order; then,
+while P >= 2 * ``group``, a call whose programs each take the top-k of
+``group`` consecutive segments of candidates (P / group programs per row,
+so each walks group * k candidates instead of one program walking P * k);
+then one program per row over what is left.  A call over candidates loads
+its output index from the candidates' index array at the selected slots.
+Exact: an entry of the row's top-k is beaten (larger key, or equal key and
+lower index) by fewer than k entries of the row, so by fewer than k of any
+chunk or group that holds it, so it survives every call; and candidate
+order is index order, so every call's ties still go to the lower index.  A
+last chunk shorter than k fills its slots with padding lanes (index >= S,
+a value whose key is INT32_MIN), which no later call takes where it has to
+choose (each of its segments holds >= k lanes, and real candidates beat the
+padding: same or larger key, lower slot).
 
 Why Triton and not Mosaic GPU: the output is a scatter of k entries to data-
 dependent positions, one masked store per block of keys, and the row is
@@ -59,9 +63,9 @@ needs only a masked vector load per block from L2 (one row is 139 KB at
 loads/stores and ``tt.scan`` (cumsum) fit directly.
 
 On an H200 (B = 16, S = 34816, one call each): k = 128 / 304 / 512 in
-34.5 / 54.0 / 81.3 us at the default tuning, where lax.top_k (a full sort
-of each row) takes 177-180 us and the two-stage lax.top_k of
-``kernels.srh_scores.ops.select_topk`` 68.8 / 97.5 / 110.7 us.
+34.2 / 53.9 / 48.6 us at the default tuning (the last in groups), where
+lax.top_k (a full sort of each row) takes 177-180 us and the two-stage
+lax.top_k of ``kernels.srh_scores.ops.select_topk`` 68.8 / 97.3 / 110.5 us.
 """
 from __future__ import annotations
 
@@ -173,14 +177,21 @@ def _kernel(x_ref, *refs, k, N, L, P, BLK, bits, from_candidates):
 
 def default_tuning(B, S, k):
   """Blocks of 1024 keys, 2-bit passes, 4 warps, 3 stages; a first call over
-  chunks of at least 4 k keys, about two programs per SM.  Measured on an
-  H200 at B = 16, S = 34816 (`scripts/bench_attention.py --topk_sweep`):
-  k = 128 / 304 / 512 in 34.5 / 54.0 / 81.3 us with chunks of S / 16, where
-  chunks of S / 8 in blocks of 512 with 4-bit passes took 51.8 / 64.0 /
-  75.2 us and one program per row 228-440 us."""
+  chunks of at least 4 k keys, about two programs per SM; from 8192
+  candidates a row, calls over groups of 4 of the previous call's segments.
+  Measured on an H200 at B = 16, S = 34816 (`scripts/bench_attention.py
+  --topk_sweep`, chunks of S / 16): k = 128 / 304 / 512 in 34.2 / 53.9 /
+  81.1 us without groups, 33.1 / 48.8 / 48.6 us with groups of 4; chunks of
+  S / 8 in blocks of 512 with 4-bit passes took 51.8 / 64.0 / 75.2 us and
+  one program per row 228-440 us.  In the speculative step (k = 128 and
+  304: 2048 and 4864 candidates, the selection beside the draft in the
+  step's concurrent graph) the groups made the step 0.05 ms slower, hence
+  the 8192."""
   chunks = min(max(1, round(2 * common.num_sms() / B)), S // (4 * k))
   chunk = common.cdiv(S, chunks) if chunks > 1 else 0
-  return dict(block=1024, chunk=chunk, radix_bits=2, num_warps=4, num_stages=3)
+  group = 4 if chunk and chunks * k >= 8192 else 0
+  return dict(block=1024, chunk=chunk, group=group, radix_bits=2, num_warps=4,
+              num_stages=3)
 
 
 def _select(x, k, cand_idx, *, L, block, radix_bits, num_warps, num_stages,
@@ -212,8 +223,9 @@ def topk_gpu(scores, k, *, interpret=False, **tuning
 
   **tuning: block (keys per step of a walk, a power of two), chunk (positions
   per program of a first call over row chunks, >= k; 0: one call, one
-  program per row), radix_bits (threshold bits per pass, 2^bits counts per
-  walk), num_warps, num_stages.
+  program per row), group (segments of candidates per program of the calls
+  between the first and the last; 0 or 1: none), radix_bits (threshold bits
+  per pass, 2^bits counts per walk), num_warps, num_stages.
   """
   k = check_topk_args(scores, k)
   B, S = scores.shape
@@ -236,6 +248,11 @@ def topk_gpu(scores, k, *, interpret=False, **tuning
     return _select(x, k, None, L=S, block=min(block, common.next_pow2(S)),
                    **common_args)
   vals, idx = _select(x, k, None, L=chunk, block=block, **common_args)
+  group = int(tune["group"])
+  while group > 1 and vals.shape[1] // k >= 2 * group:
+    vals, idx = _select(vals, k, idx, L=group * k,
+                        block=min(block, common.next_pow2(group * k)),
+                        **common_args)
   n = vals.shape[1]
   return _select(vals, k, idx, L=n, block=min(block, common.next_pow2(n)),
                  **common_args)

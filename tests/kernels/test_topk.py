@@ -93,7 +93,10 @@ def test_reference_orders_zeros_and_ties_like_lax_top_k():
 # (S, k, tuning): one call per row, rows not a multiple of the block; two
 # calls over chunks (the last chunk shorter than k at 2050 / 512, so padding
 # lanes become candidates); 3-bit passes (32 bits do not split evenly: the
-# last pass has 2); the default tuning (two calls at 2050, k 37); k = S, k = 1.
+# last pass has 2); the default tuning (two calls at 2050, k 37); k = S, k = 1;
+# calls over groups of candidates: 33 -> 17 -> 9 -> 5 -> 3 segments (the last
+# group of each call holds one segment), and 5 -> 3 segments with the first
+# call's padding lanes among the grouped candidates.
 KERNEL_CASES = [
     (1000, 37, dict(block=256, chunk=0)),
     (1000, 128, dict(block=128, chunk=256)),
@@ -103,6 +106,8 @@ KERNEL_CASES = [
     (2050, 37, dict()),
     (20, 20, dict(block=16)),
     (20, 1, dict(block=16)),
+    (4100, 37, dict(block=64, chunk=128, group=2)),
+    (2050, 304, dict(block=256, chunk=512, group=2)),
 ]
 
 
@@ -118,6 +123,18 @@ def test_default_tuning_splits_long_rows_only():
   step = default_tuning(16, 34816, 304)
   assert step["chunk"] >= 304 and 34816 // step["chunk"] >= 2
   assert default_tuning(16, 2050, 304)["chunk"] == 0
+  # groups from 8192 candidates a row: 16 chunks x k = 512, not x 304
+  assert default_tuning(16, 34816, 512)["group"] > 1
+  assert default_tuning(16, 34816, 304)["group"] == 0
+
+
+@pytest.mark.parametrize("group, calls", [(0, 2), (4, 3), (2, 5)])
+def test_groups_add_calls_while_each_leaves_two_programs_per_row(group, calls):
+  # 16 chunks of 64 positions, then segments 16 -> 1 (group 0), 16 -> 4 -> 1
+  # (group 4), 16 -> 8 -> 4 -> 2 -> 1 (group 2)
+  x = jax.ShapeDtypeStruct((2, 1024), jnp.float32)
+  jaxpr = jax.make_jaxpr(lambda s: topk_gpu(s, 16, chunk=64, group=group))(x)
+  assert str(jaxpr).count("pallas_call") == calls
 
 
 def test_kernel_lowers_to_triton():
@@ -155,7 +172,7 @@ gpu_only = pytest.mark.skipif(not ON_GPU, reason="needs a GPU")
 
 
 @gpu_only
-@pytest.mark.parametrize("k", [128, 304])
+@pytest.mark.parametrize("k", [128, 304, 512])
 @pytest.mark.parametrize("chunk", [None, 0])  # the default; one call per row
 def test_gpu_kernel_compiled_step_shape(k, chunk):
   # B 16 rows of S = 34816 (32k context), the tails past each row's length
