@@ -4,23 +4,14 @@ Kernel A, grid (B, nd, J) over the nd *distinct* KV heads of the selected
 heads: program (b, d, j) reads key chunk j of KV head kvmap[d] once and
 computes the logits of every selected (head, query) row that uses it (rows of
 the [B, T*n, D] query view, listed in rowmap[d], padded to a power of two
->= 16).  It writes each block of block_k logits (log2 units) as its row
-maximum, f32[B, T*n, S / block_k], and the logits less that maximum,
-[B, T*n, S], and its partial (max, sum-exp) per row.  Chunks at or past
-lengths[b] + T are skipped.  XLA merges the partials into one log-sum-exp
-per row.  Kernel B, grid (B, S / block_s), turns logits into probabilities,
-masks the causal rule and invalid queries, and reduces over rows (sum or
-max) into f32[B, S].
+>= 16).  It writes the raw logits (log2 units) to f32[B, T*n, S] and its
+partial (max, sum-exp) per row.  Chunks at or past lengths[b] + T are
+skipped.  XLA merges the partials into one log-sum-exp per row.  Kernel B,
+grid (B, S / block_s), turns logits into probabilities, masks the causal rule
+and invalid queries, and reduces over rows (sum or max) into f32[B, S].
 
-The logits less their block maximum are stored as f16 when q and k are
-16-bit (f32 otherwise): they round trip through HBM, half the kernel's
-bytes after the keys, and relative to the block maximum they are <= 0, so
-the entries that weigh (near their block's maximum) keep ~11 bits, more
-than bf16 keys carry: a probability is off by at most ~|logit - block max|
-* 2^-11 * ln 2 of itself.
-
-Bytes: nd * S_live * D * itemsize (keys) + 2 * n * T * S_live * (2 or 4)
-(logits written, read back) + S * 4 (scores).
+Bytes: nd * S_live * D * itemsize (keys) + 2 * n * T * S_live * 4 (logits
+written, read back) + S * 4 (scores).
 """
 from __future__ import annotations
 
@@ -49,8 +40,8 @@ def head_tables(kv_head, T, Mq=None):
 
 
 def _logits_kernel(len_ref, kvmap_ref, rowmap_ref, q_ref, k_ref,
-                   lg_ref, bmax_ref, m_ref, l_ref, *, T, n, Mq, D, BK, chunk,
-                   S, scale_log2):
+                   lg_ref, m_ref, l_ref, *, T, n, Mq, D, BK, chunk, S,
+                   scale_log2):
   b = pl.program_id(0)
   d = pl.program_id(1)
   j = pl.program_id(2)
@@ -86,11 +77,7 @@ def _logits_kernel(len_ref, kvmap_ref, rowmap_ref, q_ref, k_ref,
       st_mask = row_ok[:, None]
       if masked:
         st_mask = st_mask & live[None, :]
-      bmax = jnp.max(jnp.where(live[None, :], s, -jnp.inf) if masked else s,
-                     axis=1)
-      plt.store(lg_ref.at[b, rows[:, None], pos[None, :]],
-                (s - bmax[:, None]).astype(lg_ref.dtype), mask=st_mask)
-      plt.store(bmax_ref.at[b, rows, s0 // BK], bmax, mask=row_ok)
+      plt.store(lg_ref.at[b, rows[:, None], pos[None, :]], s, mask=st_mask)
       if masked:
         s = jnp.where(pos[None, :] <= qlim[:, None], s, -jnp.inf)
       m_new = jnp.maximum(m, jnp.max(s, axis=1))
@@ -109,8 +96,8 @@ def _logits_kernel(len_ref, kvmap_ref, rowmap_ref, q_ref, k_ref,
     plt.store(l_ref.at[j, b, rows], l, mask=row_ok)
 
 
-def _scores_kernel(len_ref, lse_ref, rv_ref, lg_ref, bmax_ref, out_ref, *, T,
-                   n, Rp, BS, BK, S, reduce):
+def _scores_kernel(len_ref, lse_ref, rv_ref, lg_ref, out_ref, *, T, n, Rp,
+                   BS, S, reduce):
   b = pl.program_id(0)
   c = pl.program_id(1)
   L = len_ref[b]
@@ -123,14 +110,11 @@ def _scores_kernel(len_ref, lse_ref, rv_ref, lg_ref, bmax_ref, out_ref, *, T,
   p0 = c * BS
   pos = p0 + jnp.arange(BS, dtype=jnp.int32)
   live = pos < kv_end
-  ok = row_ok[:, None] & live[None, :]
-  x = plt.load(lg_ref.at[b, pl.ds(0, Rp), pl.ds(p0, BS)], mask=ok,
-               other=-jnp.inf).astype(jnp.float32)
-  bmax = plt.load(bmax_ref.at[b, rr[:, None], (pos // BK)[None, :]], mask=ok,
-                  other=0.0)
+  x = plt.load(lg_ref.at[b, pl.ds(0, Rp), pl.ds(p0, BS)],
+               mask=row_ok[:, None] & live[None, :], other=-jnp.inf)
   allowed = ((row_ok & (rv != 0))[:, None]
              & (pos[None, :] <= (L + rr // n)[:, None]))
-  prob = jnp.where(allowed, jnp.exp2(x + (bmax - lse[:, None])), 0.0)
+  prob = jnp.where(allowed, jnp.exp2(x - lse[:, None]), 0.0)
   if reduce == "sum":
     score = jnp.sum(prob, axis=0)
   else:
@@ -173,8 +157,6 @@ def srh_scores_gpu(q, k, lengths, kv_head, *, q_valid=None, reduce="sum",
   num_stages = num_stages or tune["num_stages"]
   if chunk % block_k:
     raise ValueError(f"chunk={chunk} must be a multiple of block_k={block_k}")
-  logit_dtype = (jnp.float16 if max(q.dtype.itemsize, k.dtype.itemsize) == 2
-                 else jnp.float32)
   J = common.cdiv(S, chunk)
   R = T * n
   Rp = common.next_pow2(R)
@@ -182,13 +164,11 @@ def srh_scores_gpu(q, k, lengths, kv_head, *, q_valid=None, reduce="sum",
   lengths = lengths.astype(jnp.int32)
   cp = plt.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
-  lg, bmax, m, l = pl.pallas_call(
+  lg, m, l = pl.pallas_call(
       functools.partial(_logits_kernel, T=T, n=n, Mq=Mq, D=D, BK=block_k,
                         chunk=chunk, S=S, scale_log2=scale * common.LOG2E),
       grid=(B, nd, J),
-      out_shape=[jax.ShapeDtypeStruct((B, R, S), logit_dtype),
-                 jax.ShapeDtypeStruct((B, R, common.cdiv(S, block_k)),
-                                      jnp.float32),
+      out_shape=[jax.ShapeDtypeStruct((B, R, S), jnp.float32),
                  jax.ShapeDtypeStruct((J, B, R), jnp.float32),
                  jax.ShapeDtypeStruct((J, B, R), jnp.float32)],
       compiler_params=cp,
@@ -204,11 +184,11 @@ def srh_scores_gpu(q, k, lengths, kv_head, *, q_valid=None, reduce="sum",
   else:
     rv = jnp.repeat(q_valid.astype(jnp.int32), n, axis=1)  # row t*n + i
   return pl.pallas_call(
-      functools.partial(_scores_kernel, T=T, n=n, Rp=Rp, BS=block_s,
-                        BK=block_k, S=S, reduce=reduce),
+      functools.partial(_scores_kernel, T=T, n=n, Rp=Rp, BS=block_s, S=S,
+                        reduce=reduce),
       grid=(B, common.cdiv(S, block_s)),
       out_shape=jax.ShapeDtypeStruct((B, S), jnp.float32),
       compiler_params=plt.CompilerParams(num_warps=4, num_stages=2),
       interpret=interpret,
       name="srh_scores",
-  )(lengths, lse, rv, lg, bmax)
+  )(lengths, lse, rv, lg)

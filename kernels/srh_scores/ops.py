@@ -98,11 +98,10 @@ def _topk_two_stage(scores, k, segment):
 
 def srh_scores_bytes(B, S_live, D, kv_head, T, itemsize=2):
   """HBM bytes the GPU path must move (keys of each distinct KV head read
-  once, the logits written and read back: f16 for 16-bit keys, else f32;
-  the f32 scores written)."""
+  once, the f32 logits written and read back, the f32 scores written)."""
   nd = len(set(kv_head))
   n = len(kv_head)
   keys = B * nd * S_live * D * itemsize
-  logits = 2 * B * n * T * S_live * (2 if itemsize == 2 else 4)
+  logits = 2 * B * n * T * S_live * 4
   return dict(keys=keys, logits=logits, scores=B * S_live * 4,
               total=keys + logits + B * S_live * 4)
