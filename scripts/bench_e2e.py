@@ -47,9 +47,9 @@ from dustin_jax.selection.policies import policy_from_config
 from dustin_jax.speculative.step import SpecConfig, SpecState, bind_spec_step
 from dustin_jax.vanilla import VanillaState, bind_vanilla_step
 from scripts.benchmarking import (DeviceTimer, benchmark_pairs, compile_cache_from_flag,
-                                  floor_bytes, floor_time, fresh_decode_state, phase_device_ms,
-                                  pyplot, random_cache, random_model, save_figure, spec_state_at,
-                                  write_json)
+                                  floor_bytes, floor_time, fresh_decode_state, graph_mode,
+                                  phase_device_ms, pyplot, random_cache, random_model,
+                                  save_figure, spec_state_at, write_json)
 
 flags.DEFINE_string("out_dir", "results/h200", "where e2e.json and e2e.png go")
 flags.DEFINE_string("json_name", "e2e.json", "the JSON's file name in out_dir (the PNG's: "
@@ -135,7 +135,8 @@ def bench_spec(target, draft, tcache, dcache, context, cfg, repeats, phases=True
       return SpecState(s.target.with_lengths(full.copy()), s.draft.with_lengths(full.copy()),
                        fresh_decode_state(tcache.batch, cfg.mesh), s.signals)
     phase_ms, st = phase_device_ms(step, reset(st), repeats, reset)
-  return dict(times, phase_ms=phase_ms, compiled_temp_bytes=temp), st.target, st.draft
+  return (dict(times, phase_ms=phase_ms, graph=graph_mode(), compiled_temp_bytes=temp),
+          st.target, st.draft)
 
 
 def price_all(records, taus, tau_path):

@@ -347,11 +347,23 @@ def hlo_phases(hlo_text: str) -> dict[str, str]:
   return out
 
 
+def graph_mode() -> str:
+  """"concurrent" where XLA records the step's CUDA graph with concurrent
+  commands (`dustin_jax.config.GRAPH_FLAGS`), else "serial". In a
+  concurrent graph kernels of neighbouring phases overlap, so per-phase
+  sums exceed the busy time and `attribute_phases` may give a Pallas kernel
+  a neighbouring phase: for a phase breakdown, run with
+  --xla_flags=--xla_gpu_command_buffer_scheduling_mode=SERIALIZE."""
+  flags = os.environ.get("XLA_FLAGS", "")
+  return "concurrent" if "command_buffer_scheduling_mode=CONCURRENT" in flags else "serial"
+
+
 def attribute_phases(events, phase_of: dict[str, str]) -> dict[str, float]:
   """Device microseconds per phase of GPU kernel `events` (one or more
   whole steps, in launch order). A kernel that is not an XLA instruction
   (a Pallas kernel is named after its function) takes the phase of the
-  kernel before it: the phases run in order."""
+  kernel before it: the phases run in order, which holds in a serial graph
+  only (`graph_mode`)."""
   total = collections.Counter()
   phase = "draft"
   for e in sorted(events, key=lambda e: e["ts"]):

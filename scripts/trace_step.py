@@ -36,9 +36,9 @@ from dustin_jax.selection.policies import policy_from_config
 from dustin_jax.speculative.step import SpecConfig, bind_spec_step
 from dustin_jax.vanilla import VanillaState, bind_vanilla_step
 from scripts.benchmarking import (attribute_phases, busy_time, compile_cache_from_flag,
-                                  device_events, fresh_decode_state, hlo_op_names, hlo_phases,
-                                  load_trace_events, random_cache, random_model, short_source,
-                                  spec_state_at, time_by_source, write_json)
+                                  device_events, fresh_decode_state, graph_mode, hlo_op_names,
+                                  hlo_phases, load_trace_events, random_cache, random_model,
+                                  short_source, spec_state_at, time_by_source, write_json)
 
 flags.DEFINE_string("out_dir", "results/h200", "where trace_step.json goes")
 flags.DEFINE_string("model", "qwen7b", "target + draft shapes: qwen7b, llama3_8b or qwen72b")
@@ -98,7 +98,8 @@ def profile(fn, steps, phase_of=None, source_of=None):
   sources = time_by_source(per, count, source_of)
   phases = ({p: round(us / steps / 1e3, 4) for p, us in attribute_phases(dev, phase_of).items()}
             if phase_of and dev else None)
-  return dict(phase_ms=phases, step_ms=1e3 * sorted(runs)[1], step_ms_runs=[1e3 * r for r in runs],
+  return dict(phase_ms=phases, graph=graph_mode(), step_ms=1e3 * sorted(runs)[1],
+              step_ms_runs=[1e3 * r for r in runs],
               profiled_wall_ms=1e3 * wall, gpu_busy_ms=busy / 1e3,
               kernel_sum_ms=sum(per.values()) / 1e3, launches=round(sum(count.values())),
               top=top, by_source=sources[:FLAGS.top], host=host[:FLAGS.top])
@@ -178,7 +179,9 @@ def main(argv):
     print(f"\n{m}: step {out[m]['step_ms']:.2f} ms (host one step ahead), GPU busy "
           f"{out[m]['gpu_busy_ms']:.2f} ms, {out[m]['launches']} launches")
     if out[m]["phase_ms"]:
-      print("  per phase (ms): " + "  ".join(f"{k} {v:.2f}" for k, v in out[m]["phase_ms"].items()))
+      print("  per phase (ms): " + "  ".join(f"{k} {v:.2f}" for k, v in out[m]["phase_ms"].items())
+            + ("  (concurrent graph: the phases overlap, see scripts.benchmarking.graph_mode)"
+               if out[m]["graph"] == "concurrent" else ""))
     for t in out[m]["top"][:15]:
       print(f"  {t['us']:9.1f} us  x{t['launches']:<6} {t['kernel'][:60]}  "
             f"{t.get('source', '')[-110:]}")

@@ -191,6 +191,18 @@ def test_append_xla_flags_adds_the_graph_modes_where_jaxlib_knows_them(
   assert os.environ.get("XLA_FLAGS") == want
 
 
+def test_benchmarks_know_when_the_graph_runs_phases_side_by_side(monkeypatch):
+  from dustin_jax import config
+  from scripts.benchmarking import graph_mode
+  monkeypatch.setattr(config, "_jaxlib_version", lambda: (0, 11, 2))
+  monkeypatch.delenv("XLA_FLAGS", raising=False)
+  config.append_xla_flags("")
+  assert graph_mode() == "concurrent"
+  monkeypatch.delenv("XLA_FLAGS")
+  config.append_xla_flags("--xla_gpu_command_buffer_scheduling_mode=SERIALIZE")
+  assert graph_mode() == "serial"
+
+
 def test_this_jaxlib_version_is_read():
   import jax
   from dustin_jax import config
