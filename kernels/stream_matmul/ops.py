@@ -1,0 +1,55 @@
+"""Public entry point: a projection of a few rows, streamed (see gpu.py)."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from kernels import common
+from kernels.stream_matmul.gpu import ROWS, SMEM_BYTES, smem_bytes, stream_matmul_gpu
+from kernels.stream_matmul.reference import stream_matmul_reference
+
+
+def stream_matmul(x, w, *, swiglu: bool = False, splits: int = 1, impl: str = "auto",
+                  interpret: bool = False, tile_n: int = 64, tile_k: int = 64,
+                  stages: int = 4) -> jax.Array:
+  """x [M, K] @ w [K, N] for M <= 64 rows (``reference.py``: the plain
+  product, the SwiGLU epilogue over blocks of `tile_n` gate and up columns,
+  or `splits` f32 partial products over slices of K).
+
+  impl: "auto" (the Mosaic GPU kernel on a GPU, else the reference),
+  "gpu" (Hopper: WGMMA and TMA) or "reference". Tiles: `tile_n` output
+  columns per program (a multiple of 64), `tile_k` weight rows per
+  pipeline step (a multiple of 64), `stages` weight tiles in flight.
+  """
+  if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[0]:
+    raise ValueError(f"x must be [M, K] and w [K, N], got {x.shape} and {w.shape}")
+  if x.dtype != w.dtype or x.dtype not in (jnp.bfloat16, jnp.float16):
+    raise ValueError(f"x and w must both be bf16 or f16, got {x.dtype} and {w.dtype}")
+  m, k = x.shape
+  n = w.shape[1]
+  if not 1 <= m <= ROWS:
+    raise ValueError(f"stream_matmul takes 1..{ROWS} rows, got {m}")
+  if tile_n % 64 or tile_k % 64:
+    raise ValueError(f"tile_n={tile_n} and tile_k={tile_k} must be multiples of 64")
+  if swiglu and splits > 1:
+    raise ValueError("swiglu needs whole sums: splits must be 1")
+  tile_w = 2 * tile_n if swiglu else tile_n
+  if n % tile_w:
+    raise ValueError(f"N={n} must be a multiple of {tile_w} (tile_n={tile_n}"
+                     f"{', twice with swiglu' if swiglu else ''})")
+  if k % (splits * tile_k):
+    raise ValueError(f"K={k} must be a multiple of splits x tile_k = {splits * tile_k}")
+  impl = common.resolve_impl(impl)
+  if impl != "gpu":
+    return stream_matmul_reference(x, w, swiglu=swiglu, splits=splits, block=tile_n)
+  need = smem_bytes(m, k, itemsize=x.dtype.itemsize, tile_n=tile_n, tile_k=tile_k,
+                    stages=stages, swiglu=swiglu, splits=splits)
+  if need > SMEM_BYTES:
+    raise ValueError(f"{need} B of shared memory needed (x slice, {stages} weight tiles, "
+                     f"the output tile), {SMEM_BYTES} B per SM: use more splits, fewer "
+                     "stages or smaller tiles")
+  rows = common.round_up(m, 8)  # TMA copies rows in tiles of 8
+  out = stream_matmul_gpu(jnp.pad(x, ((0, rows - m), (0, 0))), w, swiglu=swiglu,
+                          splits=splits, tile_n=tile_n, tile_k=tile_k, stages=stages,
+                          interpret=interpret)
+  return out[..., :m, :]
