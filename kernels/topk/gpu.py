@@ -184,9 +184,8 @@ def default_tuning(B, S, k):
   81.1 us without groups, 33.1 / 48.8 / 48.6 us with groups of 4; chunks of
   S / 8 in blocks of 512 with 4-bit passes took 51.8 / 64.0 / 75.2 us and
   one program per row 228-440 us.  In the speculative step (k = 128 and
-  304: 2048 and 4864 candidates, the selection beside the draft in the
-  step's concurrent graph) the groups made the step 0.05 ms slower, hence
-  the 8192."""
+  304: 2048 and 4864 candidates) the groups made the step 0.05 ms slower
+  although its top-k kernels got shorter, hence the 8192."""
   chunks = min(max(1, round(2 * common.num_sms() / B)), S // (4 * k))
   chunk = common.cdiv(S, chunks) if chunks > 1 else 0
   group = 4 if chunk and chunks * k >= 8192 else 0
