@@ -111,9 +111,9 @@ def projections(cfg, ways: int) -> dict[str, tuple[int, int]]:
 
 def main(argv):
   del argv
-  if set(FLAGS.impls) - {"xla", "stream"}:
-    raise app.UsageError(f"--impls: unknown {sorted(set(FLAGS.impls) - {'xla', 'stream'})} "
-                         "(xla, stream)")
+  unknown = sorted(set(FLAGS.impls) - {"xla", "stream"})
+  if unknown:
+    raise app.UsageError(f"--impls: unknown {unknown} (xla, stream)")
   append_xla_flags(FLAGS.xla_flags)
   if "stream" in FLAGS.impls and jax.default_backend() != "gpu":
     raise app.UsageError("--impls=stream times the Mosaic GPU kernel: it needs a Hopper GPU")

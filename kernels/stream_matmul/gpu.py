@@ -58,9 +58,9 @@ def _transforms(cols: int, itemsize: int):
   return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
 
 
-def smem_bytes(m: int, k: int, *, itemsize: int, tile_n: int, tile_k: int, stages: int,
+def smem_bytes(k: int, *, itemsize: int, tile_n: int, tile_k: int, stages: int,
                swiglu: bool, splits: int) -> int:
-  del m
+  """Shared memory of one program (see the module docstring)."""
   tile_w = 2 * tile_n if swiglu else tile_n
   out_itemsize = 4 if splits > 1 else itemsize
   return (ROWS * (k // splits) * itemsize + stages * tile_k * tile_w * itemsize

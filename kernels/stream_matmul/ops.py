@@ -42,7 +42,7 @@ def stream_matmul(x, w, *, swiglu: bool = False, splits: int = 1, impl: str = "a
   impl = common.resolve_impl(impl)
   if impl != "gpu":
     return stream_matmul_reference(x, w, swiglu=swiglu, splits=splits, block=tile_n)
-  need = smem_bytes(m, k, itemsize=x.dtype.itemsize, tile_n=tile_n, tile_k=tile_k,
+  need = smem_bytes(k, itemsize=x.dtype.itemsize, tile_n=tile_n, tile_k=tile_k,
                     stages=stages, swiglu=swiglu, splits=splits)
   if need > SMEM_BYTES:
     raise ValueError(f"{need} B of shared memory needed (x slice, {stages} weight tiles, "

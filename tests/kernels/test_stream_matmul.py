@@ -26,6 +26,11 @@ def as_f32(a):
   return np.asarray(jnp.asarray(a, jnp.float32))
 
 
+def reference_of(x, w, options):
+  return stream_matmul_reference(x, w, swiglu=options.get("swiglu", False),
+                                 splits=options.get("splits", 1))
+
+
 # ---------------------------------------------------------------- reference
 def test_reference_is_the_product_its_swiglu_and_its_partials():
   x, w = operands(0, 5, 256, 256)
@@ -60,8 +65,7 @@ KERNEL_CASES = [
 def test_kernel_interpreted_equals_reference(m, k, n, options):
   x, w = operands(m + k + n, m, k, n)
   got = stream_matmul(x, w, impl="gpu", interpret=True, **options)
-  want = stream_matmul_reference(x, w, swiglu=options.get("swiglu", False),
-                                 splits=options.get("splits", 1))
+  want = reference_of(x, w, options)
   assert got.shape == want.shape and got.dtype == want.dtype
   # same f32 products and epilogue; the kernel sums K in its own order
   np.testing.assert_allclose(as_f32(got), as_f32(want), rtol=1e-2, atol=1e-2)
@@ -111,6 +115,5 @@ gpu_only = pytest.mark.skipif(not ON_GPU, reason="needs a Hopper GPU")
 def test_kernel_compiled_equals_reference(m, k, n, options):
   x, w = operands(m * 7 + n, m, k, n)
   got = stream_matmul(x, w, impl="gpu", **options)
-  want = stream_matmul_reference(x, w, swiglu=options.get("swiglu", False),
-                                 splits=options.get("splits", 1))
+  want = reference_of(x, w, options)
   np.testing.assert_allclose(as_f32(got), as_f32(want), rtol=1e-2, atol=1e-2)
