@@ -20,9 +20,9 @@ Program (j, s) of the grid (N / tile_w, splits) owns weight column block j
     (``plgpu.emit_pipeline_warp_specialized``); each tile is one WGMMA into
     the f32 accumulator (two with swiglu: the gate and the up half of the
     tile into their own accumulators).
-  * the epilogue (silu(gate) * up with swiglu) goes through shared memory to
-    one TMA store of the M rows; with splits > 1 the f32 partial product of
-    the slice is stored instead, for the consumer to sum.
+  * the epilogue (+ bias, or silu(gate) * up with swiglu) goes through
+    shared memory to one TMA store of the M rows; with splits > 1 the f32
+    partial product of the slice is stored instead, for the consumer to sum.
 
 Shared memory: 64 x K/splits x itemsize (x) + stages x tile_k x tile_w x
 itemsize (the weight slots) + 64 x tile_n x 2 or 4 (the output tile) must
@@ -69,10 +69,11 @@ def smem_bytes(k: int, *, itemsize: int, tile_n: int, tile_k: int, stages: int,
 
 @functools.partial(jax.jit, static_argnames=("swiglu", "splits", "tile_n", "tile_k", "stages",
                                              "interpret"))
-def stream_matmul_gpu(x, w, *, swiglu: bool = False, splits: int = 1, tile_n: int = 64,
-                      tile_k: int = 64, stages: int = 4, interpret: bool = False) -> jax.Array:
-  """See ``reference.py`` for the contract (the swiglu block is tile_n);
-  ``ops.stream_matmul`` checks the shapes."""
+def stream_matmul_gpu(x, w, bias=None, *, swiglu: bool = False, splits: int = 1,
+                      tile_n: int = 64, tile_k: int = 64, stages: int = 4,
+                      interpret: bool = False) -> jax.Array:
+  """See ``reference.py`` for the contract (the swiglu block is tile_n; a
+  bias only with a plain product); ``ops.stream_matmul`` checks the shapes."""
   m, k = x.shape
   n = w.shape[1]
   itemsize = jnp.dtype(x.dtype).itemsize
@@ -84,22 +85,29 @@ def stream_matmul_gpu(x, w, *, swiglu: bool = False, splits: int = 1, tile_n: in
     out_type = jax.ShapeDtypeStruct((m, n // 2 if swiglu else n), x.dtype)
   out_dtype = out_type.dtype
 
-  def body(x_gmem, w_gmem, out_gmem):
+  def body(x_gmem, w_gmem, *refs):
+    bias_gmem, out_gmem = refs if bias is not None else (None, refs[0])
     j = lax.axis_index("n")
     s = lax.axis_index("s")
     k_cols = pl.ds(s * k_slice, k_slice)
     out_block = out_gmem.at[s] if splits > 1 else out_gmem
 
-    def scope(x_smem, out_smem, x_ready):
+    def scope(x_smem, out_smem, bias_smem, ready):
       def compute_context(run_pipeline):
-        plgpu.copy_gmem_to_smem(x_gmem.at[:, k_cols], x_smem.at[pl.ds(0, m)], x_ready.at[0])
-        plgpu.barrier_wait(x_ready.at[0])
+        plgpu.copy_gmem_to_smem(x_gmem.at[:, k_cols], x_smem.at[pl.ds(0, m)], ready.at[0])
+        if bias is not None:
+          plgpu.copy_gmem_to_smem(bias_gmem.at[pl.ds(j * tile_n, tile_n)], bias_smem,
+                                  ready.at[1])
+          plgpu.barrier_wait(ready.at[1])
+        plgpu.barrier_wait(ready.at[0])
 
         def accumulators(acc, acc_up):
           run_pipeline((acc, acc_up))
           y = acc[...]
           if swiglu:
             y = y * jax.nn.sigmoid(y) * acc_up[...]
+          if bias is not None:
+            y = y + lax.broadcast_in_dim(bias_smem[...].astype(jnp.float32), y.shape, [1])
           out_smem[...] = y.astype(out_dtype)
           plgpu.commit_smem()
           plgpu.copy_smem_to_gmem(out_smem.at[pl.ds(0, m)],
@@ -133,7 +141,8 @@ def stream_matmul_gpu(x, w, *, swiglu: bool = False, splits: int = 1, tile_n: in
         plgpu.SMEM((ROWS, k_slice), x.dtype, transforms=_transforms(tile_k, itemsize)),
         plgpu.SMEM((ROWS, tile_n), out_dtype,
                    transforms=_transforms(tile_n, jnp.dtype(out_dtype).itemsize)),
-        plgpu.Barrier(num_barriers=1),
+        plgpu.SMEM((tile_n,), x.dtype) if bias is not None else None,
+        plgpu.Barrier(num_barriers=2),
         collective_axes="wg")
 
   kernel = plgpu.kernel(
@@ -141,4 +150,4 @@ def stream_matmul_gpu(x, w, *, swiglu: bool = False, splits: int = 1, tile_n: in
       num_threads=2, thread_name="wg",
       compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
       **({"interpret": interpret_params()} if interpret else {}))
-  return kernel(x, w)
+  return kernel(x, w) if bias is None else kernel(x, w, bias)

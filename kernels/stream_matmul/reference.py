@@ -2,7 +2,8 @@
 
 Contract (``stream_matmul_reference(x, w, swiglu=..., splits=..., block=...)``;
 x [M, K], w [K, N], both bf16 or f16):
-  * splits == 1, no swiglu: x @ w with f32 accumulation, in x's dtype, [M, N];
+  * splits == 1, no swiglu: x @ w (+ bias [N]) with f32 accumulation, in
+    x's dtype, [M, N];
   * swiglu: w's columns are blocks of `block` gate columns followed by the
     `block` up columns they pair with ([gate_0 | up_0 | gate_1 | up_1 ...]);
     the result is silu(gate) * up, computed in f32, in x's dtype, [M, N / 2];
@@ -15,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 
-def stream_matmul_reference(x, w, *, swiglu: bool = False, splits: int = 1,
+def stream_matmul_reference(x, w, bias=None, *, swiglu: bool = False, splits: int = 1,
                             block: int = 64) -> jax.Array:
   m, k = x.shape
   xf, wf = x.astype(jnp.float32), w.astype(jnp.float32)
@@ -24,6 +25,8 @@ def stream_matmul_reference(x, w, *, swiglu: bool = False, splits: int = 1,
     return jnp.einsum("msk,skn->smn", xf.reshape(m, splits, ks),
                       wf.reshape(splits, ks, -1))
   y = xf @ wf
+  if bias is not None:
+    y = y + bias.astype(jnp.float32)
   if swiglu:
     y = y.reshape(m, -1, 2, block)
     y = jax.nn.silu(y[:, :, 0]) * y[:, :, 1]
