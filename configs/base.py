@@ -43,7 +43,6 @@ def base_config() -> ml_collections.ConfigDict:
   c.draft_kv = "full"             # full | streaming (MagicDec: sink + window)
   c.draft_sink = 16
   c.draft_window = 496
-  c.draft_gemm = "xla"            # the draft's projections: xla | stream (Hopper) | auto
 
   c.selection = ml_collections.ConfigDict()
   # which KV rows the target verifies against (dustin_jax.selection.policies)

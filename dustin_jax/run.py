@@ -30,7 +30,7 @@ from dustin_jax.selection.policies import POLICIES as policy_registry
 from dustin_jax.selection.policies import policy_from_config
 from dustin_jax.selection.srh import load_srh
 from dustin_jax.speculative.engine import check_pair
-from dustin_jax.speculative.step import DRAFT_GEMMS, DRAFT_KV_MODES, SpecConfig
+from dustin_jax.speculative.step import DRAFT_KV_MODES, SpecConfig
 
 # what a run's inputs can cause (each message names the input and the fix);
 # anything else is a bug and keeps its traceback
@@ -44,7 +44,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 JSONL_EXAMPLE = '{"prompt": "..."}'
 # the config's choices and lower bounds, checked first
 ONE_OF = (("method", ("speculative", "vanilla")), ("dtype", ("bfloat16", "float32")),
-          ("impl", IMPLS), ("draft_kv", DRAFT_KV_MODES), ("draft_gemm", DRAFT_GEMMS))
+          ("impl", IMPLS), ("draft_kv", DRAFT_KV_MODES))
 AT_LEAST = (("gamma", 1), ("max_new_tokens", 1), ("max_len", 2), ("prefill_block", 1),
             ("seed", 0))
 
@@ -370,7 +370,7 @@ def make_policy(c, target: ModelConfig, draft: ModelConfig | None):
 def spec_config(c, policy, eos: tuple[int, ...], mesh=None) -> SpecConfig:
   return SpecConfig(gamma=c.gamma, sampling=sampling_config(c), eos_ids=eos, policy=policy,
                     draft_kv=c.draft_kv, draft_sink=c.draft_sink, draft_window=c.draft_window,
-                    impl=c.impl, mesh=mesh, draft_gemm=c.draft_gemm)
+                    impl=c.impl, mesh=mesh)
 
 
 def sampling_config(c) -> SamplingConfig:

@@ -68,13 +68,6 @@ def num_sms(default: int = 132) -> int:
     return default
 
 
-def is_hopper() -> bool:
-  """Whether the first device is a Hopper GPU (compute capability 9.x: TMA
-  and WGMMA, what the Mosaic GPU kernels need)."""
-  dev = jax.devices()[0]
-  return dev.platform == "gpu" and str(getattr(dev, "compute_capability", "")).startswith("9")
-
-
 def check_attention_shapes(q, k, v=None):
   if q.ndim != 4 or k.ndim != 4:
     raise ValueError(f"q must be [B,T,Hq,D], k [B,Hkv,S,D]; got {q.shape}, {k.shape}")

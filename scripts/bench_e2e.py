@@ -31,7 +31,6 @@ vanilla step of the same (model, batch, gamma, context) in this process.
 
 from __future__ import annotations
 
-import itertools
 import json
 import os
 import statistics
@@ -64,9 +63,6 @@ flags.DEFINE_list("methods", ["vanilla", "sd_full", "dustin", "sd_magicdec", "st
 flags.DEFINE_list("phase_batches", ["16", "2"], "batches whose steps are also timed per phase")
 flags.DEFINE_integer("mesh_model", 1, "tensor-parallel ways: both models and caches sharded by "
                      "heads over this many devices (1: one device)")
-flags.DEFINE_list("draft_gemms", [SpecConfig.draft_gemm],
-                  "the speculative methods' draft projections (SpecConfig.draft_gemm), each "
-                  "timed in turn: xla, stream, auto")
 flags.DEFINE_integer("budget", 512, "KV budget of the sparse methods")
 flags.DEFINE_integer("n_sink", 16, "attention-sink rows always verified")
 flags.DEFINE_integer("n_window", 64, "recent rows always verified")
@@ -208,12 +204,11 @@ def bench_model(name, contexts, mesh, deadline, records, save):
           policy = policy_from_config(dict(policy=POLICY[method], budget=FLAGS.budget,
                                            n_sink=FLAGS.n_sink, n_window=FLAGS.n_window,
                                            m=FLAGS.m), tcfg, dcfg)
-        gemms = [None] if method.startswith("vanilla") else FLAGS.draft_gemms
-        for draft_gemm, context in itertools.product(gemms, contexts):
+        for context in contexts:
           if method == "vanilla_xla" and context != max_ctx:
             continue  # XLA reads the whole buffer: only fair where context fills it
           rec = dict(method=method, model=name, batch=batch, context=context, gamma=gamma,
-                     budget=FLAGS.budget if method in SPARSE else None, draft_gemm=draft_gemm,
+                     budget=FLAGS.budget if method in SPARSE else None,
                      target_layers=tcfg.num_layers, device=jax.devices()[0].device_kind,
                      devices=len(tcache.k[0].sharding.device_set),  # the cache's, as placed
                      jax_version=jax.__version__, xla_flags=os.environ.get("XLA_FLAGS", ""))
@@ -223,8 +218,7 @@ def bench_model(name, contexts, mesh, deadline, records, save):
               times, tcache = bench_vanilla(target, tcache, context, impl, FLAGS.repeats, mesh)
             else:
               cfg = SpecConfig(gamma=gamma, policy=policy, mesh=mesh,
-                               draft_kv="full" if method == "sd_full" else "streaming",
-                               draft_gemm=draft_gemm)
+                               draft_kv="full" if method == "sd_full" else "streaming")
               times, tcache, dcache = bench_spec(target, draft, tcache, dcache, context, cfg,
                                                  FLAGS.repeats, str(batch) in FLAGS.phase_batches)
             rec.update(times)
@@ -237,9 +231,9 @@ def bench_model(name, contexts, mesh, deadline, records, save):
             tcache, dcache = caches()
           records.append(rec)
           save()
-          print(json.dumps({k: rec.get(k) for k in (
-              "method", "model", "batch", "context", "gamma", "draft_gemm", "step_ms", "phase_ms",
-              "speedup_vs_vanilla", "error")}), flush=True)
+          print(json.dumps({k: rec.get(k) for k in ("method", "model", "batch", "context",
+                            "gamma", "step_ms", "phase_ms", "speedup_vs_vanilla", "error")}),
+                flush=True)
       del tcache, dcache  # before the next (batch, gamma) makes its own
   return True
 
@@ -278,16 +272,12 @@ _GAMMA_MARKER = {4: "o", 2: "s", 6: "^"}
 
 def save_plot(records, path):
   """Speedup vs vanilla over context: a panel per model, a line per (method,
-  batch, gamma; the draft's GEMMs where several were timed): colour the
-  method, line style the batch, marker gamma."""
-  several = len({r.get("draft_gemm") for r in records if r.get("draft_gemm")}) > 1
+  batch, gamma): colour the method, line style the batch, marker gamma."""
   panels = {}  # model -> {(method, batch, gamma): its records, by context}
   for r in sorted(records, key=lambda r: r.get("context", 0)):
     if r.get("step_ms") and not r.get("error") and r["method"] != "vanilla":
       series = panels.setdefault(r["model"], {})
-      method = r["method"] + (f" ({r['draft_gemm']} draft GEMMs)"
-                              if several and r.get("draft_gemm") else "")
-      series.setdefault((method, r["batch"], r["gamma"]), []).append(r)
+      series.setdefault((r["method"], r["batch"], r["gamma"]), []).append(r)
   if not panels:
     return
   fig, axes = pyplot().subplots(1, len(panels), figsize=(10 * len(panels), 5.5), squeeze=False)
@@ -299,7 +289,7 @@ def save_plot(records, path):
       if not pts:
         continue
       label = f"{method} B{batch} γ{gamma}"
-      color = _METHOD_COLOR.get(method.split()[0], "black")
+      color = _METHOD_COLOR.get(method, "black")
       ax.plot(*zip(*pts), label=label, color=color, ls=_BATCH_LS.get(batch, "-"),
               marker=_GAMMA_MARKER.get(gamma, "o"))
       gpu = [r for r in line if r["gpu_speedup_vs_vanilla"]]

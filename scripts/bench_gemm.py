@@ -14,10 +14,11 @@ the bias and activation epilogues XLA fuses in the model are left out),
 against a jnp copy's bandwidth measured in the same run. Each timed jit holds enough distinct
 weight copies to overflow the L2 cache, as a model's layers do. GPU time
 from the profiler trace (`scripts.benchmarking.DeviceTimer`), else wall
-time. Writes gemm.json (records) and gemm.png. `--impls=stream` also times
-the Mosaic GPU kernel of `kernels.stream_matmul` (Hopper) at each
-`--stream_tilings`, the gate/up projection with its SwiGLU epilogue, beside
-XLA's gate/up GEMM followed by silu(gate) * up (`epilogue` "swiglu").
+time. The timed jit's products are independent, while a forward's depend
+on each other: the CUDA graph is recorded serialized (`--xla_flags`'s
+default), so each product runs alone, as in the step, instead of
+overlapping its neighbours as the step's concurrent graph would let them.
+Writes gemm.json (records) and gemm.png.
 
   python -m scripts.bench_gemm --out_dir=results/h200
   python -m scripts.bench_gemm --smoke --out_dir=/tmp/g   # CPU, tiny shapes
@@ -37,7 +38,6 @@ import jax
 import jax.numpy as jnp
 
 from dustin_jax.config import ModelConfig, append_xla_flags
-from kernels.stream_matmul.ops import stream_matmul
 from scripts.benchmarking import (DeviceTimer, benchmark_pairs, compile_cache_from_flag,
                                   partial_products, pyplot, save_figure, write_json)
 
@@ -48,14 +48,10 @@ flags.DEFINE_integer("ways", 1, "tensor-parallel ways: time one device's shard")
 flags.DEFINE_list("parts", ["1"], "each projection also as this many f32 partial products over "
                   "slices of K (`partial_products`: a consumer would sum them); 1: the plain "
                   "product")
-flags.DEFINE_list("impls", ["xla"], "xla: jnp.dot (XLA's GEMMs); stream: the Mosaic GPU "
-                  "kernel of kernels.stream_matmul (Hopper), once per --stream_tilings")
-flags.DEFINE_list("stream_tilings", ["64:64:4"], "tile_n:tile_k:stages[:splits] of the stream "
-                  "kernel; a tiling the shape does not divide, or whose shared memory does not "
-                  "fit, is recorded as an error")
 flags.DEFINE_integer("flush_mb", 256, "weight bytes per timed jit (> L2: no cache reuse)")
 flags.DEFINE_integer("repeats", 5, "timed calls per measurement (median)")
-flags.DEFINE_string("xla_flags", "", "appended to XLA_FLAGS before jax starts")
+flags.DEFINE_string("xla_flags", "--xla_gpu_command_buffer_scheduling_mode=SERIALIZE",
+                    "appended to XLA_FLAGS before jax starts")
 flags.DEFINE_bool("smoke", False, "tiny shapes (CPU)")
 FLAGS = flags.FLAGS
 
@@ -65,25 +61,6 @@ def plain_dot(x, w):
   convert), beside `Linear`'s bias-free projections, which ask the GEMM for
   bf16 directly (dustin_jax/models/decoder.py)."""
   return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
-
-
-def swiglu_xla(x, w, block: int):
-  """XLA's gate/up GEMM and silu(gate) * up over w's blocks of `block` gate
-  then `block` up columns (the stream kernel's layout)."""
-  y = jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
-  y = y.reshape(x.shape[0], -1, 2, block)
-  return (jax.nn.silu(y[:, :, 0]) * y[:, :, 1]).reshape(x.shape[0], -1)
-
-
-def stream_variants(proj: str) -> list[dict]:
-  """The stream kernel's variants of one projection: gate/up with the
-  SwiGLU epilogue, the others as plain products or f32 partials."""
-  out = []
-  for tiling in FLAGS.stream_tilings:
-    tile_n, tile_k, stages, *splits = (int(v) for v in tiling.split(":"))
-    out.append(dict(tiling=tiling, tile_n=tile_n, tile_k=tile_k, stages=stages,
-                    splits=splits[0] if splits else 1, swiglu=proj == "gate_up"))
-  return out
 
 
 def launches_per_call(fn, args) -> int:
@@ -111,12 +88,7 @@ def projections(cfg, ways: int) -> dict[str, tuple[int, int]]:
 
 def main(argv):
   del argv
-  unknown = sorted(set(FLAGS.impls) - {"xla", "stream"})
-  if unknown:
-    raise app.UsageError(f"--impls: unknown {unknown} (xla, stream)")
   append_xla_flags(FLAGS.xla_flags)
-  if "stream" in FLAGS.impls and jax.default_backend() != "gpu":
-    raise app.UsageError("--impls=stream times the Mosaic GPU kernel: it needs a Hopper GPU")
   compile_cache_from_flag()
   out_json = os.path.join(FLAGS.out_dir, "gemm.json")
   dtype = jnp.bfloat16
@@ -160,45 +132,24 @@ def main(argv):
         ws = [jax.random.normal(kk, (k, n_out), dtype) * 0.02 for kk in jax.random.split(kw, copies)]
         for rows in (int(r) for r in FLAGS.rows):
           xs = [jax.random.normal(kk, (rows, k), dtype) for kk in jax.random.split(kx, copies)]
-          variants = [dict(impl="xla", parts=p) for p in (int(p) for p in FLAGS.parts)
-                      if k % p == 0]
-          if "stream" in FLAGS.impls:
-            if proj == "gate_up":  # the same product and epilogue, by XLA
-              variants += [dict(impl="xla", parts=1, epilogue="swiglu", block=v["tile_n"])
-                           for v in stream_variants(proj)[:1]]
-            variants += [dict(impl="stream", **v) for v in stream_variants(proj)]
-          for v in variants:
-            if v["impl"] == "stream":
-              tune = {t: v[t] for t in ("swiglu", "splits", "tile_n", "tile_k", "stages")}
-              fn = lambda xs, ws, tune=tune: [stream_matmul(x, w, impl="gpu", **tune)
-                                              for x, w in zip(xs, ws)]
-            elif v.get("epilogue"):
-              fn = lambda xs, ws, b=v["block"]: [swiglu_xla(x, w, b) for x, w in zip(xs, ws)]
-            elif v["parts"] == 1:
+          for parts in (int(p) for p in FLAGS.parts):
+            if k % parts:
+              continue
+            if parts == 1:
               fn = lambda xs, ws: [plain_dot(x, w) for x, w in zip(xs, ws)]
             else:
-              fn = lambda xs, ws, parts=v["parts"]: [partial_products(x, w, parts)
-                                                     for x, w in zip(xs, ws)]
-            rec = dict(meta, kernel="gemm", model=name, role=role, proj=proj, k=k, n=n_out,
-                       rows=rows, weight_bytes=wbytes, copies=copies, **v)
-            rec.setdefault("parts", v.get("splits", 1))
-            try:
-              dev_ms, wall_ms = timed(fn, (xs, ws))
-            except Exception as e:  # a tiling the kernel refuses: recorded, not fatal
-              if v["impl"] != "stream":
-                raise
-              records.append(dict(rec, error=str(e)[:500]))
-              print(f"{proj} rows={rows} stream {v['tiling']}: {str(e)[:300]}", flush=True)
-              continue
+              fn = lambda xs, ws, parts=parts: [partial_products(x, w, parts)
+                                                for x, w in zip(xs, ws)]
+            dev_ms, wall_ms = timed(fn, (xs, ws))
             us = 1e3 * (dev_ms or wall_ms) / copies
-            rec.update(us=us, kernels_per_product=launches_per_call(fn, (xs, ws)) / copies,
+            rec = dict(meta, kernel="gemm", model=name, role=role, proj=proj, k=k, n=n_out,
+                       rows=rows, parts=parts, weight_bytes=wbytes, copies=copies, us=us,
+                       kernels_per_product=launches_per_call(fn, (xs, ws)) / copies,
                        gpu=dev_ms is not None, tbs=wbytes / (us * 1e-6) / 1e12)
             rec["bw_frac"] = rec["tbs"] / copy_tbs
             records.append(rec)
-            label = v.get("tiling") or f"parts={v['parts']}" + (
-                f" {v['epilogue']}" if v.get("epilogue") else "")
             print(f"{name} {role:6s} {proj:8s} K={k:6d} N={n_out:6d} rows={rows:3d} "
-                  f"{v['impl']:6s} {label:14s} {us:8.2f} us  {rec['bw_frac']:6.0%} of copy BW  "
+                  f"parts={parts:2d} {us:8.2f} us  {rec['bw_frac']:6.0%} of copy BW  "
                   f"{rec['kernels_per_product']:.1f} kernels", flush=True)
           del xs
         del ws
@@ -211,8 +162,7 @@ def save_plot(records, path):
   """Share of the copy bandwidth of XLA's GEMM (one product, not `--parts`
   partial products) per projection and row count; a row of panels per
   model, a column per role."""
-  gemms = [r for r in records if r["kernel"] == "gemm" and r["impl"] == "xla"
-           and r["parts"] == 1 and not r.get("epilogue")]
+  gemms = [r for r in records if r["kernel"] == "gemm" and r["parts"] == 1]
   models = sorted({r["model"] for r in gemms})
   roles = sorted({r["role"] for r in gemms}, reverse=True)  # target, draft
   if not models:

@@ -52,27 +52,6 @@ def test_greedy_speculative_equals_greedy_vanilla(pair, gamma, rng):
     assert stats.accepted > 0, "the noisy draft should agree with the target sometimes"
 
 
-def test_streamed_draft_projections_stay_lossless(rng):
-  """A bf16 copy of the target as the draft, its projections on the
-  weight-streaming path (draft_gemm="stream": the kernel on a Hopper GPU,
-  its reference elsewhere): greedy output still equals the target's own.
-  Random weights, no checkpoint: this check runs on the GPU machine too."""
-  from configs.tiny import tiny_hf
-  from dustin_jax.config import ModelConfig
-  from scripts.benchmarking import random_model
-  target = random_model(ModelConfig.from_hf(tiny_hf(3), dtype="float32"), seed=3)
-  as_bf16 = lambda x: x.astype(jnp.bfloat16) if jnp.issubdtype(x.dtype, jnp.floating) else x
-  draft = Model(ModelConfig.from_hf(tiny_hf(3), dtype="bfloat16"), target.graphdef,
-                jax.tree_util.tree_map(as_bf16, target.state))
-  prompts = prompts_of(rng, [7, 2, 19])
-  ref, _ = generate(target, prompts, max_new_tokens=16, max_len=64)
-  ours, stats = generate_speculative(target, draft, prompts, max_new_tokens=16, max_len=64,
-                                     cfg=SpecConfig(gamma=4, draft_gemm="stream"))
-  assert ours == ref and stats.accepted > 0
-  with pytest.raises(ValueError, match="draft_gemm"):
-    SpecConfig(draft_gemm="cublas")
-
-
 def test_bound_step_writes_its_outputs_in_place_and_hands_out_copies(pair, rng):
   """Every result of the compiled step aliases a donated input (no output of
   the step's CUDA graph changes address between launches, see BoundStep),

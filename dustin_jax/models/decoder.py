@@ -33,7 +33,6 @@ from dustin_jax.cache import KVCache, write_rows
 from dustin_jax.config import ModelConfig, rope_inv_freq
 from kernels.decode_attention.ops import decode_attention
 from kernels.sparse_verify.ops import sparse_verify_packed
-from kernels.stream_matmul.ops import stream_matmul, stream_tiling
 from kernels.window_attention.ops import window_attention
 
 
@@ -105,41 +104,19 @@ def _head_specs(num_heads, num_kv_heads, mesh):
 _INIT = nnx.initializers.normal(0.02)
 
 
-GEMMS = ("xla", "stream")
-
-
 class Linear(nnx.Module):
 
   def __init__(self, d_in: int, d_out: int, *, bias: bool, dtype, rngs: nnx.Rngs):
     self.kernel = nnx.Param(_INIT(rngs.params(), (d_in, d_out), dtype))
     self.bias = nnx.Param(jnp.zeros((d_out,), dtype)) if bias else None
 
-  def __call__(self, x: jax.Array, gemm: str = "xla") -> jax.Array:
-    """x [..., d_in] @ kernel (+ bias). gemm="stream": few rows go through
-    the weight-streaming kernel where it beats XLA's GEMM
-    (`kernels.stream_matmul.ops.stream_tiling`; on a Hopper GPU, elsewhere
-    its jnp reference)."""
-    rows = x.size // x.shape[-1]
-    tiling = stream_tiling(rows, *self.kernel.shape, x.dtype) if gemm == "stream" else None
-    if tiling is not None:
-      return self._streamed(x.reshape(rows, -1), tiling).reshape(*x.shape[:-1], -1)
+  def __call__(self, x: jax.Array) -> jax.Array:
     if self.bias is None:
       # the product in x's dtype (accumulated in f32 by the GEMM): an f32
       # result costs a separate convert kernel and twice the bytes per GEMM
       return jnp.dot(x, self.kernel[...], preferred_element_type=x.dtype)
     y = jnp.dot(x, self.kernel[...], preferred_element_type=jnp.float32)
     return (y + self.bias[...].astype(jnp.float32)).astype(x.dtype)
-
-  def _streamed(self, x, tiling):
-    bias = None if self.bias is None else self.bias[...]
-    if tiling["splits"] == 1:  # the bias in the kernel's epilogue
-      return stream_matmul(x, self.kernel[...], bias, **tiling)
-    # f32 partial products over slices of K: their sum (and the bias) fuse
-    # into the consumer
-    y = stream_matmul(x, self.kernel[...], **tiling).sum(0)
-    if bias is not None:
-      y = y + bias.astype(jnp.float32)
-    return y.astype(x.dtype)
 
 
 class RMSNorm(nnx.Module):
@@ -206,12 +183,12 @@ class Attention(nnx.Module):
                            dtype=dtype, rngs=rngs)
     self.o_proj = Linear(cfg.num_heads * hd, d, bias=cfg.o_bias, dtype=dtype, rngs=rngs)
 
-  def packed_qkv(self, x, gemm="xla"):
+  def packed_qkv(self, x):
     """The projection of normed `x` [B, T, d] as [B, T, Hkv, G + 2, D]: per
     KV head its G query heads, then k, then v (before rope)."""
     b, t, _ = x.shape
     g = self.num_kv_heads
-    return self.qkv_proj(x, gemm).reshape(b, t, g, self.num_heads // g + 2, self.head_dim)
+    return self.qkv_proj(x).reshape(b, t, g, self.num_heads // g + 2, self.head_dim)
 
   def qkv(self, x, cos=None, sin=None):
     """Queries [B, T, Hq, D], keys and values [B, T, Hkv, D] of normed `x`
@@ -224,10 +201,10 @@ class Attention(nnx.Module):
       return q, k, v
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
-  def out(self, attn, gemm="xla"):
+  def out(self, attn):
     """o_proj of the attention output [B, T, Hq, D]."""
     b, t = attn.shape[:2]
-    return self.o_proj(attn.reshape(b, t, self.num_heads * self.head_dim), gemm)
+    return self.o_proj(attn.reshape(b, t, self.num_heads * self.head_dim))
 
 
 class MLP(nnx.Module):
@@ -237,9 +214,9 @@ class MLP(nnx.Module):
     self.gate_up_proj = Linear(d, 2 * f, bias=False, dtype=dtype, rngs=rngs)  # gate_up_columns
     self.down_proj = Linear(f, d, bias=False, dtype=dtype, rngs=rngs)
 
-  def __call__(self, x, gemm="xla"):
-    gate_up = self.gate_up_proj(x, gemm).reshape(x.shape[:-1] + (-1, 2))
-    return self.down_proj(jax.nn.silu(gate_up[..., 0]) * gate_up[..., 1], gemm)
+  def __call__(self, x):
+    gate_up = self.gate_up_proj(x).reshape(x.shape[:-1] + (-1, 2))
+    return self.down_proj(jax.nn.silu(gate_up[..., 0]) * gate_up[..., 1])
 
 
 class Block(nnx.Module):
@@ -257,36 +234,36 @@ class Block(nnx.Module):
     """(q, k, v) of the residual stream `x` [B, T, d] (see Attention.qkv)."""
     return self.self_attn.qkv(self.input_layernorm(x), cos, sin)
 
-  def finish(self, x, attn, gemm="xla"):
+  def finish(self, x, attn):
     """The residual stream after this layer, from its input `x` [B, T, d]
     and the attention output `attn` [B, T, Hq, D]."""
-    x = x + self.self_attn.out(attn, gemm)
-    return x + self.mlp(self.post_attention_layernorm(x), gemm)
+    x = x + self.self_attn.out(attn)
+    return x + self.mlp(self.post_attention_layernorm(x))
 
   def __call__(self, x, cos, sin, k_cache, v_cache, lengths, kv_indices, impl, mesh,
-               window=None, gemm="xla"):
+               window=None):
     if window is not None or kv_indices is not None:
       return self.packed_call(x, cos, sin, k_cache, v_cache, lengths, impl, mesh,
-                              window=window, kv_indices=kv_indices, gemm=gemm)
+                              window=window, kv_indices=kv_indices)
     q, k, v = self.qkv(x, cos, sin)
     out, k_cache, v_cache = attention(q, k, v, k_cache, v_cache, lengths, impl, mesh)
-    return self.finish(x, out, gemm), k_cache, v_cache, q
+    return self.finish(x, out), k_cache, v_cache, q
 
   def packed_call(self, x, cos, sin, k_cache, v_cache, lengths, impl, mesh, *, window,
-                  kv_indices, gemm="xla"):
+                  kv_indices):
     """The layer over a subset of the cache (a streaming draft's window or a
     sparse verification's rows): the attention is one kernel
     (`packed_attention`) fed by the packed q/k/v projection."""
-    qkv = self.self_attn.packed_qkv(self.input_layernorm(x), gemm)
+    qkv = self.self_attn.packed_qkv(self.input_layernorm(x))
     out, k_cache, v_cache = packed_attention(qkv, k_cache, v_cache, lengths, cos, sin, impl,
                                              mesh, window=window, kv_indices=kv_indices)
     # the roped queries only where a caller taps them (XLA drops them elsewhere)
     r = qkv.shape[3] - 2
     q = qkv[:, :, :, :r].reshape(*x.shape[:2], -1, qkv.shape[-1])
-    return self.finish(x, out, gemm), k_cache, v_cache, apply_rope(q, cos, sin)
+    return self.finish(x, out), k_cache, v_cache, apply_rope(q, cos, sin)
 
 
-def run_block(layer: Block, *args, impl, mesh, window=None, gemm="xla"):
+def run_block(layer: Block, *args, impl, mesh, window=None):
   """`layer(*args, impl, mesh)` through one jitted function shared by every
   layer. Why: jit traces and lowers a function once per distinct argument
   shape, so a step with ~150 layer applications (every layer of the target,
@@ -294,12 +271,12 @@ def run_block(layer: Block, *args, impl, mesh, window=None, gemm="xla"):
   instead of ~150; XLA inlines the calls, so the compiled program is the
   one an inline loop would give."""
   graphdef, state = nnx.split(layer)
-  return _block(graphdef, state, *args, impl=impl, mesh=mesh, window=window, gemm=gemm)
+  return _block(graphdef, state, *args, impl=impl, mesh=mesh, window=window)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "impl", "mesh", "window", "gemm"))
-def _block(graphdef, state, *args, impl, mesh, window, gemm):
-  return nnx.merge(graphdef, state)(*args, impl, mesh, window, gemm)
+@functools.partial(jax.jit, static_argnames=("graphdef", "impl", "mesh", "window"))
+def _block(graphdef, state, *args, impl, mesh, window):
+  return nnx.merge(graphdef, state)(*args, impl, mesh, window)
 
 
 class Decoder(nnx.Module):
@@ -316,15 +293,14 @@ class Decoder(nnx.Module):
 
   def __call__(self, tokens: jax.Array, cache: KVCache, *,
                kv_indices: jax.Array | None = None, window: tuple[int, int] | None = None,
-               tap_layers=(), impl: str = "auto", mesh=None, gemm: str = "xla"):
+               tap_layers=(), impl: str = "auto", mesh=None):
     """Run `tokens[B, T]` at positions `cache.lengths[b] + t`.
 
     Writes their K/V into the cache (lengths unchanged: commit separately).
     `kv_indices[B, K]`: attend only to those context rows plus the new block
     (None: the full cache); `window = (n_sink, n_window)`: only to the first
     n_sink and the last n_window context rows plus the block (a streaming
-    cache). `mesh`: run attention per device (sharded step). `gemm`: the
-    projections' GEMMs (`Linear`: "xla" or "stream").
+    cache). `mesh`: run attention per device (sharded step).
     Returns (hidden [B, T, d] after the final norm,
     cache, {layer: queries [B, T, Hq, D] after rope} for `tap_layers`).
     """
@@ -335,7 +311,7 @@ class Decoder(nnx.Module):
     taps = {}
     for i, layer in enumerate(self.layers):
       x, k, v, q = run_block(layer, x, cos, sin, cache.k[i], cache.v[i], cache.lengths,
-                             kv_indices, impl=impl, mesh=mesh, window=window, gemm=gemm)
+                             kv_indices, impl=impl, mesh=mesh, window=window)
       cache = cache.with_layer(i, k, v)
       if i in tap_layers:
         taps[i] = q

@@ -31,16 +31,13 @@ from jax.sharding import Mesh
 from dustin_jax.bound_step import BoundStep
 from dustin_jax.cache import KVCache
 from dustin_jax.decoding import DecodeState, Model, StepOutput, emit
-from dustin_jax.models.decoder import GEMMS
 from dustin_jax.sampling import SamplingConfig, pad_vocab, probs, sample
 from dustin_jax.selection.arr import arr_of_indices, layer_weights
 from dustin_jax.selection.base import FullCache, Policy
 from dustin_jax.sharding import draft_mesh
-from kernels.common import is_hopper
 
 DRAFT_KV_MODES = ("full", "streaming")
 VERIFY_MODES = ("sparse", "full")
-DRAFT_GEMMS = GEMMS + ("auto",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,8 +53,6 @@ class SpecConfig:
   impl: str = "auto"              # attention kernels: auto | reference | gpu | tpu
   mesh: Mesh | None = None        # attention runs per device (the draft whole on
                                   # each: sharding.draft_mesh)
-  draft_gemm: str = "xla"         # the draft's projections: xla | stream | auto
-                                  # (stream on one Hopper GPU; see models.decoder.Linear)
 
   def __post_init__(self):
     if self.gamma < 1:
@@ -66,20 +61,6 @@ class SpecConfig:
       raise ValueError(f"draft_kv must be one of {DRAFT_KV_MODES}, got {self.draft_kv!r}")
     if self.draft_kv == "streaming" and self.draft_sink + self.draft_window < 1:
       raise ValueError("a streaming draft cache needs draft_sink + draft_window >= 1")
-    if self.draft_gemm not in DRAFT_GEMMS:
-      raise ValueError(f"draft_gemm must be one of {DRAFT_GEMMS}, got {self.draft_gemm!r}")
-    if self.draft_gemm == "stream" and self.mesh is not None:
-      raise ValueError("draft_gemm='stream' runs on one device: use 'xla' or 'auto' with a mesh")
-
-  @property
-  def draft_gemm_resolved(self) -> str:
-    """draft_gemm with "auto" made concrete: the stream kernel on one Hopper
-    GPU, XLA's GEMMs elsewhere."""
-    if self.draft_gemm == "stream" and jax.default_backend() == "gpu" and not is_hopper():
-      raise ValueError("draft_gemm='stream' needs a Hopper GPU (TMA, WGMMA): use 'xla'")
-    if self.draft_gemm != "auto":
-      return self.draft_gemm
-    return "stream" if self.mesh is None and is_hopper() else "xla"
 
 
 @jax.tree_util.register_dataclass
@@ -148,7 +129,7 @@ def draft_phase(graphdef, params, cache: KVCache, ds: DecodeState, signals, cfg:
     window = (cfg.draft_sink, cfg.draft_window) if cfg.draft_kv == "streaming" else None
     hidden, c, taps = model(tokens, c.with_lengths(at), window=window,
                             tap_layers=policy.draft_tap_layers, impl=cfg.impl,
-                            mesh=mesh, gemm=cfg.draft_gemm_resolved)
+                            mesh=mesh)
     return model.logits(hidden[:, -1]), taps, c
 
   def pick(logits, key):
