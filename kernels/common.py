@@ -146,20 +146,17 @@ def write_block(cache, new, lengths):
   return cache.at[seq, :, rows].set(new.astype(cache.dtype), mode="drop")
 
 
-def check_packed_shapes(qkv, k_cache, v_cache, lengths, cos, sin, batch_offset=0):
+def check_packed_shapes(qkv, k_cache, v_cache, lengths, cos, sin):
   """Validates the arguments of a packed q/k/v kernel (window_attention,
-  sparse_verify_packed); returns (B, T, Hq, D, Hkv, S). The B sequences of
-  qkv are the caches' sequences batch_offset .. batch_offset + B - 1."""
+  sparse_verify_packed); returns (B, T, Hq, D, Hkv, S)."""
   if qkv.ndim != 5 or k_cache.ndim != 4:
     raise ValueError(f"qkv must be [B, T, Hkv, G + 2, D], k_cache [B, Hkv, S, "
                      f"D]; got {qkv.shape}, {k_cache.shape}")
   B, T, _, G2, D = qkv.shape
-  Bc, Hkv, S = k_cache.shape[:3]
-  if (k_cache.shape != (Bc, Hkv, S, D) or v_cache.shape != k_cache.shape
-          or batch_offset < 0 or Bc < batch_offset + B):
-    raise ValueError(f"k_cache, v_cache must be [Bc, Hkv, S, D] with qkv's D={D} and "
-                     f"Bc >= batch_offset + B = {batch_offset} + {B}; got {k_cache.shape}, "
-                     f"{v_cache.shape}")
+  Hkv, S = k_cache.shape[1:3]
+  if k_cache.shape != (B, Hkv, S, D) or v_cache.shape != k_cache.shape:
+    raise ValueError(f"k_cache, v_cache must be [B, Hkv, S, D] with qkv's "
+                     f"B={B}, D={D}; got {k_cache.shape}, {v_cache.shape}")
   if qkv.shape[2] != Hkv or G2 < 3:
     raise ValueError(f"qkv must be [B, T, Hkv, G + 2, D] with the caches' "
                      f"Hkv={Hkv} and G = Hq // Hkv >= 1; got {qkv.shape}")

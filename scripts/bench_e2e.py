@@ -31,7 +31,6 @@ vanilla step of the same (model, batch, gamma, context) in this process.
 
 from __future__ import annotations
 
-import itertools
 import json
 import os
 import statistics
@@ -64,9 +63,6 @@ flags.DEFINE_list("methods", ["vanilla", "sd_full", "dustin", "sd_magicdec", "st
 flags.DEFINE_list("phase_batches", ["16", "2"], "batches whose steps are also timed per phase")
 flags.DEFINE_integer("mesh_model", 1, "tensor-parallel ways: both models and caches sharded by "
                      "heads over this many devices (1: one device)")
-flags.DEFINE_list("draft_groups", [str(SpecConfig.draft_groups)],
-                  "the speculative methods' draft batch groups (SpecConfig.draft_groups), each "
-                  "timed in turn")
 flags.DEFINE_integer("budget", 512, "KV budget of the sparse methods")
 flags.DEFINE_integer("n_sink", 16, "attention-sink rows always verified")
 flags.DEFINE_integer("n_window", 64, "recent rows always verified")
@@ -208,8 +204,7 @@ def bench_model(name, contexts, mesh, deadline, records, save):
           policy = policy_from_config(dict(policy=POLICY[method], budget=FLAGS.budget,
                                            n_sink=FLAGS.n_sink, n_window=FLAGS.n_window,
                                            m=FLAGS.m), tcfg, dcfg)
-        groups = [None] if method.startswith("vanilla") else FLAGS.draft_groups
-        for draft_groups, context in itertools.product(groups, contexts):
+        for context in contexts:
           if method == "vanilla_xla" and context != max_ctx:
             continue  # XLA reads the whole buffer: only fair where context fills it
           rec = dict(method=method, model=name, batch=batch, context=context, gamma=gamma,
@@ -223,9 +218,7 @@ def bench_model(name, contexts, mesh, deadline, records, save):
               times, tcache = bench_vanilla(target, tcache, context, impl, FLAGS.repeats, mesh)
             else:
               cfg = SpecConfig(gamma=gamma, policy=policy, mesh=mesh,
-                               draft_kv="full" if method == "sd_full" else "streaming",
-                               draft_groups=int(draft_groups))
-              rec["draft_groups"] = cfg.draft_batch_groups(batch)  # as run
+                               draft_kv="full" if method == "sd_full" else "streaming")
               times, tcache, dcache = bench_spec(target, draft, tcache, dcache, context, cfg,
                                                  FLAGS.repeats, str(batch) in FLAGS.phase_batches)
             rec.update(times)
@@ -238,9 +231,9 @@ def bench_model(name, contexts, mesh, deadline, records, save):
             tcache, dcache = caches()
           records.append(rec)
           save()
-          print(json.dumps({k: rec.get(k) for k in (
-              "method", "model", "batch", "context", "gamma", "draft_groups", "step_ms",
-              "phase_ms", "speedup_vs_vanilla", "error")}), flush=True)
+          print(json.dumps({k: rec.get(k) for k in ("method", "model", "batch", "context",
+                            "gamma", "step_ms", "phase_ms", "speedup_vs_vanilla", "error")}),
+                flush=True)
       del tcache, dcache  # before the next (batch, gamma) makes its own
   return True
 
@@ -279,16 +272,12 @@ _GAMMA_MARKER = {4: "o", 2: "s", 6: "^"}
 
 def save_plot(records, path):
   """Speedup vs vanilla over context: a panel per model, a line per (method,
-  batch, gamma; the draft's batch groups where several were timed): colour
-  the method, line style the batch, marker gamma."""
-  several = len({r.get("draft_groups") for r in records if r.get("draft_groups")}) > 1
+  batch, gamma): colour the method, line style the batch, marker gamma."""
   panels = {}  # model -> {(method, batch, gamma): its records, by context}
   for r in sorted(records, key=lambda r: r.get("context", 0)):
     if r.get("step_ms") and not r.get("error") and r["method"] != "vanilla":
       series = panels.setdefault(r["model"], {})
-      method = r["method"] + (f" ({r['draft_groups']} draft groups)"
-                              if several and r.get("draft_groups") else "")
-      series.setdefault((method, r["batch"], r["gamma"]), []).append(r)
+      series.setdefault((r["method"], r["batch"], r["gamma"]), []).append(r)
   if not panels:
     return
   fig, axes = pyplot().subplots(1, len(panels), figsize=(10 * len(panels), 5.5), squeeze=False)
@@ -300,7 +289,7 @@ def save_plot(records, path):
       if not pts:
         continue
       label = f"{method} B{batch} γ{gamma}"
-      color = _METHOD_COLOR.get(method.split()[0], "black")
+      color = _METHOD_COLOR.get(method, "black")
       ax.plot(*zip(*pts), label=label, color=color, ls=_BATCH_LS.get(batch, "-"),
               marker=_GAMMA_MARKER.get(gamma, "o"))
       gpu = [r for r in line if r["gpu_speedup_vs_vanilla"]]

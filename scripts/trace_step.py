@@ -47,8 +47,6 @@ flags.DEFINE_integer("mesh_model", 1, "tensor-parallel ways (the target sharded,
 flags.DEFINE_integer("context", 32768, "context length")
 flags.DEFINE_integer("batch", 16, "batch size")
 flags.DEFINE_integer("gamma", 4, "draft length")
-flags.DEFINE_integer("draft_groups", SpecConfig.draft_groups, "the draft's batch groups "
-                     "(SpecConfig.draft_groups)")
 flags.DEFINE_integer("steps", 3, "profiled steps per method")
 flags.DEFINE_integer("top", 25, "kernels listed per method")
 flags.DEFINE_list("methods", ["vanilla", "dustin"], "steps profiled: vanilla and/or dustin")
@@ -146,7 +144,6 @@ def main(argv):
   max_len = ctx + (n_steps + 2) * (FLAGS.gamma + 1) + 8
   out = {"device": jax.devices()[0].device_kind, "devices": FLAGS.mesh_model,
          "model": FLAGS.model, "batch": b, "context": ctx, "gamma": FLAGS.gamma,
-         "draft_groups": FLAGS.draft_groups,
          "jax_version": jax.__version__, "xla_flags": os.environ.get("XLA_FLAGS", "")}
 
   vstep = bind_vanilla_step(target, mesh=mesh)
@@ -161,8 +158,7 @@ def main(argv):
 
   policy = policy_from_config(dict(policy="dustin", budget=512, n_sink=16, n_window=64, m=128),
                               tcfg, dcfg)
-  cfg = SpecConfig(gamma=FLAGS.gamma, policy=policy, draft_kv="streaming", mesh=mesh,
-                   draft_groups=FLAGS.draft_groups)
+  cfg = SpecConfig(gamma=FLAGS.gamma, policy=policy, draft_kv="streaming", mesh=mesh)
   dcache = random_cache(dcfg, b, max_len, ctx, 13, mesh=dmesh)
   st = {"s": spec_state_at(box.pop("v").cache, dcache, ctx, policy, mesh)}
   sstep = bind_spec_step(target, draft, cfg)

@@ -170,25 +170,6 @@ def test_linear_bf16_is_the_f32_product_rounded_once(bias):
   np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want), rtol=2**-7, atol=1e-6)
 
 
-def test_batch_groups_equal_one_batch(tiny_qwen, rng):
-  """A windowed forward as 2 batch groups gives the hidden states, caches
-  and tapped queries of the one-batch forward; other forwards refuse groups."""
-  model = load(tiny_qwen[0])
-  tokens = rng.integers(0, 97, size=(4, 2))
-  cache = KVCache.init(model.cfg, 4, 32).with_lengths(jnp.asarray([3, 9, 0, 14]))
-  kw = dict(window=(2, 4), tap_layers=(1,))
-  one = run(model, tokens, cache, **kw)
-  two = run(model, tokens, cache, batch_groups=2, **kw)
-  np.testing.assert_allclose(two[0], one[0], rtol=1e-5, atol=1e-5)
-  for a, b in zip(two[1].k + two[1].v, one[1].k + one[1].v):
-    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
-  np.testing.assert_allclose(np.asarray(two[2][1]), np.asarray(one[2][1]), rtol=1e-6, atol=1e-6)
-  with pytest.raises(ValueError, match="batch_groups"):
-    run(model, tokens, cache, batch_groups=2)  # the full cache
-  with pytest.raises(ValueError, match="batch_groups"):
-    run(model, tokens, cache, batch_groups=3, window=(2, 4))
-
-
 def test_shared_layer_function_is_inlined(tiny_llama):
   """Every layer runs through one jitted layer function (one trace and
   lowering per shape); XLA inlines its calls, so the compiled forward holds

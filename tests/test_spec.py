@@ -52,26 +52,6 @@ def test_greedy_speculative_equals_greedy_vanilla(pair, gamma, rng):
     assert stats.accepted > 0, "the noisy draft should agree with the target sometimes"
 
 
-@pytest.mark.parametrize("groups", [2, 3])
-def test_draft_in_batch_groups_stays_lossless(pair, groups, rng):
-  """A streaming draft run as batch groups (independent chains of kernels
-  sharing the cache buffers): greedy output equals the target's own, and
-  the draft proposes what it proposes in one group (same acceptance)."""
-  target, draft = pair
-  prompts = prompts_of(rng, [7, 2, 19, 5])
-  ref, _ = generate(target, prompts, max_new_tokens=16, max_len=64)
-  one_cfg = SpecConfig(gamma=4, draft_kv="streaming", draft_sink=4, draft_window=8)
-  _, one = generate_speculative(target, draft, prompts, max_new_tokens=16, max_len=64,
-                                cfg=one_cfg)
-  cfg = dataclasses.replace(one_cfg, draft_groups=groups)
-  assert cfg.draft_batch_groups(4) == {2: 2, 3: 2}[groups]  # the largest divisor <= groups
-  ours, stats = generate_speculative(target, draft, prompts, max_new_tokens=16, max_len=64,
-                                     cfg=cfg)
-  assert ours == ref and stats.accepted == one.accepted
-  with pytest.raises(ValueError, match="draft_groups"):
-    SpecConfig(draft_groups=0)
-
-
 def test_bound_step_writes_its_outputs_in_place_and_hands_out_copies(pair, rng):
   """Every result of the compiled step aliases a donated input (no output of
   the step's CUDA graph changes address between launches, see BoundStep),

@@ -59,14 +59,13 @@ def attention(q, k, v, k_cache, v_cache, lengths, impl, mesh):
 
 
 def packed_attention(qkv, k_cache, v_cache, lengths, cos, sin, impl, mesh, *, window=None,
-                     kv_indices=None, batch_offset=0):
+                     kv_indices=None):
   """Attention of a block from its packed projection `qkv [B, T, Hkv, G + 2,
   D]` (before RoPE; `cos, sin [B, T, D]`): RoPE, both cache writes and the
   attention in one kernel, over the sink and window rows (`window = (n_sink,
   n_window)`, `window_attention`: a streaming draft) or over the `kv_indices`
   rows (`sparse_verify_packed`: a sparse verification), each plus the block.
-  With `batch_offset` (a window only, no mesh) the block's sequences are the
-  caches' batch_offset .. batch_offset + B - 1. Returns (out [B, T, Hq, D], k_cache, v_cache), per device under a mesh as
+  Returns (out [B, T, Hq, D], k_cache, v_cache), per device under a mesh as
   `attention`."""
   if impl == "auto" and qkv.shape[1] > 16:
     impl = "reference"  # as `attention`: the kernels serve short blocks
@@ -77,7 +76,7 @@ def packed_attention(qkv, k_cache, v_cache, lengths, cos, sin, impl, mesh, *, wi
       return sparse_verify_packed(qkv, k_cache, v_cache, lengths, indices[0], cos, sin,
                                   impl=impl)
     return window_attention(qkv, k_cache, v_cache, lengths, cos, sin, n_sink=window[0],
-                            n_window=window[1], batch_offset=batch_offset, impl=impl)
+                            n_window=window[1], impl=impl)
   indices = () if kv_indices is None else (kv_indices,)
   args = (qkv, k_cache, v_cache, lengths, cos, sin) + indices
   if mesh is None:
@@ -242,30 +241,29 @@ class Block(nnx.Module):
     return x + self.mlp(self.post_attention_layernorm(x))
 
   def __call__(self, x, cos, sin, k_cache, v_cache, lengths, kv_indices, impl, mesh,
-               window=None, batch_offset=0):
+               window=None):
     if window is not None or kv_indices is not None:
       return self.packed_call(x, cos, sin, k_cache, v_cache, lengths, impl, mesh,
-                              window=window, kv_indices=kv_indices, batch_offset=batch_offset)
+                              window=window, kv_indices=kv_indices)
     q, k, v = self.qkv(x, cos, sin)
     out, k_cache, v_cache = attention(q, k, v, k_cache, v_cache, lengths, impl, mesh)
     return self.finish(x, out), k_cache, v_cache, q
 
   def packed_call(self, x, cos, sin, k_cache, v_cache, lengths, impl, mesh, *, window,
-                  kv_indices, batch_offset=0):
+                  kv_indices):
     """The layer over a subset of the cache (a streaming draft's window or a
     sparse verification's rows): the attention is one kernel
     (`packed_attention`) fed by the packed q/k/v projection."""
     qkv = self.self_attn.packed_qkv(self.input_layernorm(x))
     out, k_cache, v_cache = packed_attention(qkv, k_cache, v_cache, lengths, cos, sin, impl,
-                                             mesh, window=window, kv_indices=kv_indices,
-                                             batch_offset=batch_offset)
+                                             mesh, window=window, kv_indices=kv_indices)
     # the roped queries only where a caller taps them (XLA drops them elsewhere)
     r = qkv.shape[3] - 2
     q = qkv[:, :, :, :r].reshape(*x.shape[:2], -1, qkv.shape[-1])
     return self.finish(x, out), k_cache, v_cache, apply_rope(q, cos, sin)
 
 
-def run_block(layer: Block, *args, impl, mesh, window=None, batch_offset=0):
+def run_block(layer: Block, *args, impl, mesh, window=None):
   """`layer(*args, impl, mesh)` through one jitted function shared by every
   layer. Why: jit traces and lowers a function once per distinct argument
   shape, so a step with ~150 layer applications (every layer of the target,
@@ -273,14 +271,12 @@ def run_block(layer: Block, *args, impl, mesh, window=None, batch_offset=0):
   instead of ~150; XLA inlines the calls, so the compiled program is the
   one an inline loop would give."""
   graphdef, state = nnx.split(layer)
-  return _block(graphdef, state, *args, impl=impl, mesh=mesh, window=window,
-                batch_offset=batch_offset)
+  return _block(graphdef, state, *args, impl=impl, mesh=mesh, window=window)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "impl", "mesh", "window",
-                                             "batch_offset"))
-def _block(graphdef, state, *args, impl, mesh, window, batch_offset):
-  return nnx.merge(graphdef, state)(*args, impl, mesh, window, batch_offset)
+@functools.partial(jax.jit, static_argnames=("graphdef", "impl", "mesh", "window"))
+def _block(graphdef, state, *args, impl, mesh, window):
+  return nnx.merge(graphdef, state)(*args, impl, mesh, window)
 
 
 class Decoder(nnx.Module):
@@ -297,7 +293,7 @@ class Decoder(nnx.Module):
 
   def __call__(self, tokens: jax.Array, cache: KVCache, *,
                kv_indices: jax.Array | None = None, window: tuple[int, int] | None = None,
-               tap_layers=(), impl: str = "auto", mesh=None, batch_groups: int = 1):
+               tap_layers=(), impl: str = "auto", mesh=None):
     """Run `tokens[B, T]` at positions `cache.lengths[b] + t`.
 
     Writes their K/V into the cache (lengths unchanged: commit separately).
@@ -305,37 +301,20 @@ class Decoder(nnx.Module):
     (None: the full cache); `window = (n_sink, n_window)`: only to the first
     n_sink and the last n_window context rows plus the block (a streaming
     cache). `mesh`: run attention per device (sharded step).
-    `batch_groups` (a window, no mesh; dividing B): the batch runs as that
-    many independent chains of kernels, one per group of sequences, which
-    share only the caches' buffers: a GPU runs one group's kernels beside
-    another's where a chain alone leaves it idle (few-row kernels are
-    latency-bound), and a layer's weights, read by each group in turn, stay
-    in L2 when they fit.
     Returns (hidden [B, T, d] after the final norm,
     cache, {layer: queries [B, T, Hq, D] after rope} for `tap_layers`).
     """
-    b, t = tokens.shape
-    if batch_groups != 1 and (window is None or mesh is not None or b % batch_groups):
-      raise ValueError(f"batch_groups={batch_groups} needs a window, no mesh and a batch "
-                       f"({b}) it divides")
+    t = tokens.shape[1]
     positions = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None]
     cos, sin = rope_tables(self.cfg, positions)
     x = jnp.take(self.embed_tokens[...], tokens, axis=0)
-    n = b // batch_groups
-    groups = [slice(g * n, (g + 1) * n) for g in range(batch_groups)]
-    xs = [x[rows] for rows in groups]
     taps = {}
     for i, layer in enumerate(self.layers):
-      k, v, qs = cache.k[i], cache.v[i], []
-      for g, rows in enumerate(groups):
-        xs[g], k, v, q = run_block(layer, xs[g], cos[rows], sin[rows], k, v,
-                                   cache.lengths[rows], kv_indices, impl=impl, mesh=mesh,
-                                   window=window, batch_offset=rows.start)
-        qs.append(q)
+      x, k, v, q = run_block(layer, x, cos, sin, cache.k[i], cache.v[i], cache.lengths,
+                             kv_indices, impl=impl, mesh=mesh, window=window)
       cache = cache.with_layer(i, k, v)
       if i in tap_layers:
-        taps[i] = jnp.concatenate(qs) if batch_groups > 1 else qs[0]
-    x = jnp.concatenate(xs) if batch_groups > 1 else xs[0]
+        taps[i] = q
     return self.norm(x), cache, taps
 
   def logits(self, hidden: jax.Array) -> jax.Array:

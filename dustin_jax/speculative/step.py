@@ -53,8 +53,6 @@ class SpecConfig:
   impl: str = "auto"              # attention kernels: auto | reference | gpu | tpu
   mesh: Mesh | None = None        # attention runs per device (the draft whole on
                                   # each: sharding.draft_mesh)
-  draft_groups: int = 1           # a streaming draft's passes as up to this many
-                                  # batch groups (Decoder's batch_groups; one device)
 
   def __post_init__(self):
     if self.gamma < 1:
@@ -63,16 +61,6 @@ class SpecConfig:
       raise ValueError(f"draft_kv must be one of {DRAFT_KV_MODES}, got {self.draft_kv!r}")
     if self.draft_kv == "streaming" and self.draft_sink + self.draft_window < 1:
       raise ValueError("a streaming draft cache needs draft_sink + draft_window >= 1")
-    if self.draft_groups < 1:
-      raise ValueError(f"draft_groups must be >= 1, got {self.draft_groups}")
-
-  def draft_batch_groups(self, batch: int) -> int:
-    """The batch groups of a draft pass over `batch` sequences: the largest
-    divisor of the batch up to draft_groups (1 without a streaming draft
-    cache or with a mesh)."""
-    if self.draft_kv != "streaming" or self.mesh is not None:
-      return 1
-    return max(g for g in range(1, min(self.draft_groups, batch) + 1) if batch % g == 0)
 
 
 @jax.tree_util.register_dataclass
@@ -141,7 +129,7 @@ def draft_phase(graphdef, params, cache: KVCache, ds: DecodeState, signals, cfg:
     window = (cfg.draft_sink, cfg.draft_window) if cfg.draft_kv == "streaming" else None
     hidden, c, taps = model(tokens, c.with_lengths(at), window=window,
                             tap_layers=policy.draft_tap_layers, impl=cfg.impl,
-                            mesh=mesh, batch_groups=cfg.draft_batch_groups(tokens.shape[0]))
+                            mesh=mesh)
     return model.logits(hidden[:, -1]), taps, c
 
   def pick(logits, key):

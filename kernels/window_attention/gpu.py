@@ -37,9 +37,7 @@ Grid (B, Hkv, splits).  Program (b, h, p), with L = lengths[b]:
     caller's cache buffers are donated (inside one jit, when the old cache is
     dead), otherwise XLA copies the caches first.  The program never reads
     back a row it writes (its reads are rows < L), and programs write disjoint
-    rows, so there is no ordering hazard.  With ``batch_offset`` the B
-    sequences are the caches' rows batch_offset .. batch_offset + B - 1 (a
-    batch group: the rest of the caches pass through untouched).
+    rows, so there is no ordering hazard.
 
 Why Triton and not Mosaic GPU: a program handles G * T query rows, at most 16
 for the draft models at T <= 2 (G = 7 for Qwen2.5-0.5B, 4 for Llama-3.2-1B),
@@ -93,13 +91,12 @@ def qkv_row(t, h, c, Hkv: int, G: int):
 
 
 def _kernel(len_ref, *refs, T, G, Hq, Hkv, M, TB, D, S, n_sink, NS, n_window,
-            K, BW, P, prefetch, scale_log2, b0):
+            K, BW, P, prefetch, scale_log2):
   listed = K > 0  # context rows from an index list (else the sink and window)
   if listed:
     idx_ref, *refs = refs
   qkv_ref, cos_ref, sin_ref, kc_ref, vc_ref, *out_refs = refs
   b = pl.program_id(0)
-  cb = b + b0  # the sequence's row of the caches
   h = pl.program_id(1)
   L = len_ref[b]
   if P == 1:
@@ -135,9 +132,9 @@ def _kernel(len_ref, *refs, T, G, Hq, Hkv, M, TB, D, S, n_sink, NS, n_window,
     """K and V rows at cache positions pos (-1: no row, masked)."""
     ok = pos >= 0
     rows = jnp.where(ok, pos, 0)
-    k = plt.load(kc_ref.at[cb, h, rows[:, None], cols[None, :]],
+    k = plt.load(kc_ref.at[b, h, rows[:, None], cols[None, :]],
                  mask=ok[:, None], other=0.0)
-    v = plt.load(vc_ref.at[cb, h, rows[:, None], cols[None, :]],
+    v = plt.load(vc_ref.at[b, h, rows[:, None], cols[None, :]],
                  mask=ok[:, None], other=0.0)
     return pos, k, v
 
@@ -228,9 +225,9 @@ def _kernel(len_ref, *refs, T, G, Hq, Hkv, M, TB, D, S, n_sink, NS, n_window,
   wrow = L + j
   w_ok = blk_ok & (wrow < S)
   wrow = jnp.where(w_ok, wrow, S)
-  plt.store(kc_out.at[cb, h, wrow[:, None], cols[None, :]],
+  plt.store(kc_out.at[b, h, wrow[:, None], cols[None, :]],
             kn.astype(kc_out.dtype), mask=w_ok[:, None])
-  plt.store(vc_out.at[cb, h, wrow[:, None], cols[None, :]],
+  plt.store(vc_out.at[b, h, wrow[:, None], cols[None, :]],
             vn.astype(vc_out.dtype), mask=w_ok[:, None])
 
 
@@ -254,11 +251,11 @@ def listed_tuning(B, Hkv, K):
 
 
 def window_attention_gpu(qkv, k_cache, v_cache, lengths, cos, sin, *, n_sink,
-                         n_window, scale=None, batch_offset=0, interpret=False, **tuning):
-  check_shapes(qkv, k_cache, v_cache, lengths, cos, sin, n_sink, n_window, batch_offset)
+                         n_window, scale=None, interpret=False, **tuning):
+  check_shapes(qkv, k_cache, v_cache, lengths, cos, sin, n_sink, n_window)
   return _call(qkv, k_cache, v_cache, lengths, cos, sin, None, int(n_sink),
                int(n_window), scale, interpret, default_tuning(int(n_window)),
-               tuning, int(batch_offset))
+               tuning)
 
 
 def listed_attention_gpu(qkv, k_cache, v_cache, lengths, cos, sin, indices, *,
@@ -274,7 +271,7 @@ def listed_attention_gpu(qkv, k_cache, v_cache, lengths, cos, sin, indices, *,
 
 
 def _call(qkv, k_cache, v_cache, lengths, cos, sin, indices, n_sink, n_window,
-          scale, interpret, defaults, tuning, batch_offset=0):
+          scale, interpret, defaults, tuning):
   """The pallas_call; `tuning` overrides `defaults` where it is not None."""
   unknown = sorted(tuning.keys() - defaults.keys())
   if unknown:
@@ -298,7 +295,7 @@ def _call(qkv, k_cache, v_cache, lengths, cos, sin, indices, n_sink, n_window,
   kernel = functools.partial(
       _kernel, T=T, G=G, Hq=Hq, Hkv=Hkv, M=M, TB=TB, D=D, S=S, n_sink=n_sink,
       NS=NS, n_window=n_window, K=K, BW=block_w, P=P, prefetch=bool(prefetch),
-      scale_log2=scale * common.LOG2E, b0=batch_offset)
+      scale_log2=scale * common.LOG2E)
   if P == 1:
     outs = [jax.ShapeDtypeStruct((B, T * Hq, D), qkv.dtype)]
   else:  # partial softmax results (kernels.common), merged below

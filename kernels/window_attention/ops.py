@@ -7,8 +7,8 @@ from kernels.window_attention.reference import window_attention_reference
 
 
 def window_attention(qkv, k_cache, v_cache, lengths, cos, sin, *, n_sink,
-                     n_window, scale=None, batch_offset=0, impl="auto",
-                     interpret=False, **tuning):
+                     n_window, scale=None, impl="auto", interpret=False,
+                     **tuning):
   """RoPE, cache write and sink + window + block attention of one layer-pass.
 
   Args:
@@ -17,10 +17,7 @@ def window_attention(qkv, k_cache, v_cache, lengths, cos, sin, *, n_sink,
       projection): qkv[:, :, h, :G] are the query heads h * G .. h * G + G - 1,
       qkv[:, :, h, G] is k_new and qkv[:, :, h, G + 1] v_new of head h.  q and
       k before RoPE.
-    k_cache, v_cache: [Bc, Hkv, S, D], qkv's dtype (bf16 or f32); qkv's
-      sequence b is the caches' sequence batch_offset + b (a batch group
-      of the caches: the groups' calls are independent but for the cache
-      buffers they share).
+    k_cache, v_cache: [B, Hkv, S, D], qkv's dtype (bf16 or f32).
     lengths: int32[B] context rows already in the cache; the T new rows go to
       lengths[b] .. lengths[b] + T - 1, all < S (caller's guarantee).
     cos, sin: [B, T, D // 2] f32 RoPE tables of those positions (rotate-half:
@@ -30,7 +27,6 @@ def window_attention(qkv, k_cache, v_cache, lengths, cos, sin, *, n_sink,
       and causally to the block rows L .. L + t (GQA: head h reads KV head
       h // (Hq // Hkv)).
     scale: softmax scale, default 1/sqrt(D).
-    batch_offset: static int, see k_cache.
     impl: "auto" (gpu on GPU, reference elsewhere), "reference", "gpu"
       (Pallas Triton; head_dim a power of two >= 16), or "tpu", which runs
       the reference (no TPU kernel).
@@ -49,7 +45,7 @@ def window_attention(qkv, k_cache, v_cache, lengths, cos, sin, *, n_sink,
   if impl == "gpu":
     return window_attention_gpu(qkv, k_cache, v_cache, lengths, cos, sin,
                                 n_sink=n_sink, n_window=n_window, scale=scale,
-                                batch_offset=batch_offset, interpret=interpret, **tuning)
+                                interpret=interpret, **tuning)
   return window_attention_reference(qkv, k_cache, v_cache, lengths, cos, sin,
                                     n_sink=n_sink, n_window=n_window,
-                                    scale=scale, batch_offset=batch_offset)
+                                    scale=scale)

@@ -40,21 +40,18 @@ def sink_window_indices(lengths: jax.Array, n_sink: int, n_window: int) -> jax.A
   return jnp.concatenate([jnp.broadcast_to(sink, win.shape[:1] + sink.shape[1:]), win], axis=1)
 
 
-def check_shapes(qkv, k_cache, v_cache, lengths, cos, sin, n_sink, n_window, batch_offset=0):
+def check_shapes(qkv, k_cache, v_cache, lengths, cos, sin, n_sink, n_window):
   """Validates the arguments; returns (B, T, Hq, D, Hkv, S)."""
-  shapes = common.check_packed_shapes(qkv, k_cache, v_cache, lengths, cos, sin, batch_offset)
+  shapes = common.check_packed_shapes(qkv, k_cache, v_cache, lengths, cos, sin)
   if int(n_sink) < 0 or int(n_window) < 0:
     raise ValueError(f"n_sink={n_sink}, n_window={n_window} must be >= 0")
   return shapes
 
 
 def window_attention_reference(qkv, k_cache, v_cache, lengths, cos, sin, *,
-                               n_sink, n_window, scale=None, batch_offset=0):
-  """Returns (out [B, T, Hq, D], k_cache, v_cache) with the rows written
-  (qkv's sequences are the caches' batch_offset .. batch_offset + B - 1)."""
-  check_shapes(qkv, k_cache, v_cache, lengths, cos, sin, n_sink, n_window, batch_offset)
+                               n_sink, n_window, scale=None):
+  """Returns (out [B, T, Hq, D], k_cache, v_cache) with the rows written."""
+  check_shapes(qkv, k_cache, v_cache, lengths, cos, sin, n_sink, n_window)
   indices = sink_window_indices(lengths, int(n_sink), int(n_window))
-  rows = slice(batch_offset, batch_offset + qkv.shape[0])
-  out, k, v = sparse_verify_packed_reference(qkv, k_cache[rows], v_cache[rows], lengths,
-                                             indices, cos, sin, scale=scale)
-  return out, k_cache.at[rows].set(k), v_cache.at[rows].set(v)
+  return sparse_verify_packed_reference(qkv, k_cache, v_cache, lengths, indices,
+                                        cos, sin, scale=scale)

@@ -190,35 +190,6 @@ def test_gpu_kernel_interpret_under_jit_donated():
   check_caches(kc, vc, ref[1], ref[2], args, exact_k=False)
 
 
-def in_groups(args, groups, **kw):
-  """window_attention over `groups` batch groups of the case, one call each
-  with its batch_offset, the caches threaded from call to call."""
-  qkv, k_cache, v_cache, L, cos, sin = packed(args)
-  n = qkv.shape[0] // groups
-  outs = []
-  for g in range(groups):
-    rows = slice(g * n, (g + 1) * n)
-    out, k_cache, v_cache = ops.window_attention(
-        qkv[rows], k_cache, v_cache, L[rows], cos[rows], sin[rows], batch_offset=g * n, **kw)
-    outs.append(out)
-  return jnp.concatenate(outs), k_cache, v_cache
-
-
-@pytest.mark.parametrize("impl", ["reference", "gpu"])
-def test_batch_groups_equal_one_call(impl):
-  """Calls over batch groups of the caches (batch_offset) give the one
-  call's output and caches: each group reads and writes its own sequences
-  only."""
-  args = make_case(7, 4, 2, 4, 2, 64, 16, [2, 11, 45, 30], jnp.bfloat16)
-  kw = dict(n_sink=4, n_window=16, impl=impl, interpret=True)
-  out, kc, vc = in_groups(args, 2, **kw)
-  ref, kc_ref, vc_ref = window_attention_reference(*packed(args), n_sink=4, n_window=16)
-  assert rel_err(out, ref) < 2e-2
-  check_caches(kc, vc, kc_ref, vc_ref, args, exact_k=True)
-  with pytest.raises(ValueError, match="batch_offset"):
-    ops.window_attention(*packed(args), batch_offset=1, **kw)
-
-
 # ---------------------------------------------------------------- real GPU
 gpu_only = pytest.mark.skipif(not ON_GPU, reason="needs a GPU")
 
@@ -235,11 +206,3 @@ def test_gpu_kernel_compiled_draft_shapes(T, Hq, Hkv, splits):
                              splits=splits)
   assert_compiled_close(got, window_attention_reference(
       *packed(args), n_sink=16, n_window=496))
-
-
-@gpu_only
-def test_gpu_kernel_compiled_batch_groups():
-  args = make_case(8, 4, 1, 14, 2, 2048, 64, [2000, 5, 300, 1000], jnp.bfloat16)
-  got = in_groups(args, 2, n_sink=16, n_window=496)
-  assert_compiled_close(got, window_attention_reference(*packed(args), n_sink=16,
-                                                        n_window=496))
