@@ -14,11 +14,10 @@ the bias and activation epilogues XLA fuses in the model are left out),
 against a jnp copy's bandwidth measured in the same run. Each timed jit holds enough distinct
 weight copies to overflow the L2 cache, as a model's layers do. GPU time
 from the profiler trace (`scripts.benchmarking.DeviceTimer`), else wall
-time. The timed jit's products are independent, while a forward's depend
-on each other: the CUDA graph is recorded serialized (`--xla_flags`'s
-default), so each product runs alone, as in the step, instead of
-overlapping its neighbours as the step's concurrent graph would let them.
-Writes gemm.json (records) and gemm.png.
+time. The timed jit's products are independent, whereas each of a
+forward's waits for the one before it: by default (`--xla_flags`) the CUDA
+graph is recorded serialized, so each product runs alone, as in a forward,
+not overlapped with its neighbours. Writes gemm.json (records) and gemm.png.
 
   python -m scripts.bench_gemm --out_dir=results/h200
   python -m scripts.bench_gemm --smoke --out_dir=/tmp/g   # CPU, tiny shapes
