@@ -22,6 +22,11 @@ def test_bench_gemm_smoke(tmp_path):
   assert sorted((r["role"], r["proj"], r["k"], r["n"], r["rows"]) for r in gemms) == sorted(
       (role, p, k, n, rows) for role in ("target", "draft") for p, (k, n) in want.items()
       for rows in (8, 16))
+  # the CUDA graph serialized by default (each product alone, as in a
+  # forward), in place of the concurrent default of the other scripts
+  for r in recs:
+    assert "--xla_gpu_command_buffer_scheduling_mode=SERIALIZE" in r["xla_flags"]
+    assert "=CONCURRENT" not in r["xla_flags"]
   for r in gemms:
     assert r["us"] > 0 and 0 < r["bw_frac"]
     assert r["tbs"] == r["weight_bytes"] / (r["us"] * 1e-6) / 1e12
