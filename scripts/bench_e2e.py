@@ -76,9 +76,11 @@ flags.DEFINE_string("xla_flags", "", "appended to XLA_FLAGS before jax starts (e
                     "--xla_gpu_enable_command_buffer=... to try CUDA graphs)")
 FLAGS = flags.FLAGS
 
+# dustin_draft / dustin_target: the method with one signal only (the whole
+# free budget by it), what each signal's scoring and selection cost the step
 POLICY = {"sd_full": "full", "sd_magicdec": "full", "dustin": "dustin", "streaming": "streaming",
-          "quest": "quest"}
-SPARSE = ("dustin", "streaming", "quest")  # the methods that verify within --budget
+          "quest": "quest", "dustin_draft": "dustin_draft", "dustin_target": "dustin_target"}
+SPARSE = ("dustin", "streaming", "quest", "dustin_draft", "dustin_target")  # verify within --budget
 
 
 def _time_loop(step, carry, repeats):
@@ -265,7 +267,8 @@ def main(_):
 
 
 _METHOD_COLOR = {"dustin": "tab:red", "sd_full": "tab:blue", "sd_magicdec": "tab:cyan",
-                 "streaming": "tab:green", "quest": "tab:purple", "vanilla_xla": "tab:gray"}
+                 "streaming": "tab:green", "quest": "tab:purple", "vanilla_xla": "tab:gray",
+                 "dustin_draft": "tab:orange", "dustin_target": "tab:brown"}
 _BATCH_LS = {16: "-", 8: (0, (5, 2)), 1: (0, (1, 1))}
 _GAMMA_MARKER = {4: "o", 2: "s", 6: "^"}
 

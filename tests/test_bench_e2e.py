@@ -14,20 +14,24 @@ def test_bench_e2e_smoke_schema(tmp_path):
                              {"policy": "dustin", "gamma": 2, "budget": 32, "tau": 2.0}]))
   argv = [sys.executable, "-m", "scripts.bench_e2e", "--smoke", "--models=tiny", f"--out_dir={tmp_path}", "--batches=2",
           "--gammas=2", "--repeats=1", "--budget=32", "--n_sink=4", "--n_window=8", "--m=8", f"--tau_json={tau}",
-          "--methods=vanilla,sd_full,dustin"]
+          "--methods=vanilla,sd_full,dustin,dustin_draft"]
   p = subprocess.run(argv, capture_output=True, text=True, timeout=600)
   assert p.returncode == 0, p.stderr[-2000:]
   recs = json.loads((tmp_path / "e2e.json").read_text())
   assert (tmp_path / "e2e.png").exists()
   keys = {"method", "model", "batch", "context", "gamma", "step_ms", "phase_ms", "tau",
           "tau_source", "tokens_per_s", "speedup_vs_vanilla"}
-  assert {r["method"] for r in recs} == {"vanilla", "sd_full", "dustin"}
+  assert {r["method"] for r in recs} == {"vanilla", "sd_full", "dustin", "dustin_draft"}
   for r in recs:
     assert not r.get("error"), r
     assert keys <= r.keys() and r["step_ms"] > 0
   sd = next(r for r in recs if r["method"] == "sd_full")
   # per-phase times are GPU kernel time from a trace: none on the CPU
   assert sd["tau"] == 2.5 and sd["phase_ms"] is None
+  # the one-signal ablation verifies within the budget; its tau is not in tau.json
+  ablation = next(r for r in recs if r["method"] == "dustin_draft")
+  assert ablation["budget"] == 32 and ablation["tau"] is None
+  assert ablation["tau_source"] == "not measured" and ablation["floor_bytes"]["estimate"] > 0
   van = next(r for r in recs if r["method"] == "vanilla" and r["context"] == sd["context"])
   assert sd["speedup_vs_vanilla"] == pytest.approx(2.5 * van["step_ms"] / sd["step_ms"])
   assert sd["tokens_per_s"] == pytest.approx(2 * 2.5 / (sd["step_ms"] / 1e3))

@@ -14,7 +14,7 @@ from dustin_jax.decoding import InputError, Model
 from dustin_jax.vanilla import generate
 from dustin_jax.sampling import SamplingConfig, probs
 from dustin_jax.speculative.engine import generate_speculative, init_state
-from dustin_jax.speculative.step import SpecConfig, accept, spec_step
+from dustin_jax.speculative.step import SpecConfig, accept, draft_phase, spec_step
 from dustin_jax.weights import load_hf_checkpoint
 
 
@@ -50,6 +50,19 @@ def test_greedy_speculative_equals_greedy_vanilla(pair, gamma, rng):
   assert stats.tokens == 60 and 1.0 <= stats.tau <= gamma + 1
   if gamma > 1:
     assert stats.accepted > 0, "the noisy draft should agree with the target sometimes"
+
+
+def test_greedy_drafts_are_the_drafts_own_greedy_continuation(pair, rng):
+  """Under greedy sampling the draft phase picks tokens from the logits and
+  hands back no distribution (greedy acceptance compares tokens)."""
+  target, draft = pair
+  prompts = prompts_of(rng, [5, 11])
+  cfg = SpecConfig(gamma=4)
+  st = init_state(target, draft, prompts, max_new_tokens=8, max_len=32, cfg=cfg)
+  drafts, q, *_ = draft_phase(draft.graphdef, draft.state, st.draft, st.decode, st.signals, cfg)
+  assert q is None
+  own, _ = generate(draft, prompts, max_new_tokens=4, max_len=32)
+  assert np.asarray(drafts).tolist() == own
 
 
 def test_bound_step_writes_its_outputs_in_place_and_hands_out_copies(pair, rng):

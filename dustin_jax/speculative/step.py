@@ -113,8 +113,9 @@ class StepOptions:
 # ------------------------------------------------------------------ phases
 def draft_phase(graphdef, params, cache: KVCache, ds: DecodeState, signals, cfg: SpecConfig,
                 forced=None):
-  """gamma draft tokens, their draft distributions [B, gamma, V_d] and the
-  policy's lookahead signal (its gamma queries scored in one call). The
+  """gamma draft tokens, their draft distributions [B, gamma, V_d] (None
+  under greedy sampling, whose acceptance compares tokens) and the policy's
+  lookahead signal (its gamma queries scored in one call). The
   draft cache gets rows for prev, pending and d_1 .. d_{gamma-1}; its
   committed length is not moved. With `forced[B, gamma+1]` (teacher
   forcing) the drafts are `forced[:, :gamma]`, run in one pass for their
@@ -133,9 +134,10 @@ def draft_phase(graphdef, params, cache: KVCache, ds: DecodeState, signals, cfg:
     return model.logits(hidden[:, -1]), taps, c
 
   def pick(logits, key):
+    if cfg.sampling.greedy:  # greedy acceptance compares tokens: no distribution
+      return jnp.argmax(logits.astype(jnp.float32), -1).astype(jnp.int32), None
     q = probs(logits, cfg.sampling)
-    tok = jnp.argmax(q, -1).astype(jnp.int32) if cfg.sampling.greedy else sample(key, q)
-    return tok, q
+    return sample(key, q), q
 
   if forced is not None:
     tokens = jnp.concatenate([ds.prev[:, None], ds.pending[:, None], forced[:, :cfg.gamma - 1]], 1)
@@ -162,7 +164,7 @@ def draft_phase(graphdef, params, cache: KVCache, ds: DecodeState, signals, cfg:
   (c, _), (toks, qs, scan_taps) = jax.lax.scan(
       body, (cache, tok), (jnp.arange(1, cfg.gamma), keys[2:]), unroll=max(cfg.gamma - 1, 1))
   drafts = jnp.concatenate([tok[:, None], jnp.moveaxis(toks, 0, 1)], axis=1)
-  q_all = jnp.concatenate([q[:, None], jnp.moveaxis(qs, 0, 1)], axis=1)
+  q_all = None if q is None else jnp.concatenate([q[:, None], jnp.moveaxis(qs, 0, 1)], axis=1)
   # the lookahead signal from all gamma queries at once, after drafting: every
   # key they attend to is written by now, and one scoring reads the SRH keys
   # once instead of gamma times
@@ -193,18 +195,19 @@ def accept(target_logits, draft_probs, drafts, rng, sampling: SamplingConfig):
   """Leviathan/Chen acceptance. Returns (tokens[B, gamma+1] = accepted
   drafts then the correction or bonus token, n_accepted[B]).
 
-  Greedy: a draft token is accepted iff it is the target's argmax. Sampling:
-  accepted with probability min(1, p/q); at the first rejection the token is
-  drawn from norm(max(p - q, 0)), after full acceptance from p."""
+  Greedy: a draft token is accepted iff it is the target's argmax
+  (`draft_probs` unused, may be None). Sampling: accepted with probability
+  min(1, p/q); at the first rejection the token is drawn from
+  norm(max(p - q, 0)), after full acceptance from p."""
   b, gamma = drafts.shape
-  vocab = max(target_logits.shape[-1], draft_probs.shape[-1])
-  target_logits = pad_vocab(target_logits, vocab)
   if sampling.greedy:
     best = jnp.argmax(target_logits, -1).astype(jnp.int32)  # [B, gamma+1]
     ok = best[:, :gamma] == drafts
     n_acc = jnp.sum(jnp.cumprod(ok, axis=1), axis=1).astype(jnp.int32)
     fix = jnp.take_along_axis(best, n_acc[:, None], axis=1)[:, 0]
   else:
+    vocab = max(target_logits.shape[-1], draft_probs.shape[-1])
+    target_logits = pad_vocab(target_logits, vocab)
     q = jnp.pad(draft_probs, ((0, 0), (0, 0), (0, vocab - draft_probs.shape[-1])))
     p = probs(target_logits, sampling)
     k_u, k_fix = jax.random.split(rng)
