@@ -119,38 +119,6 @@ class Linear(nnx.Module):
     return (y + self.bias[...].astype(jnp.float32)).astype(x.dtype)
 
 
-import os
-DRAFT_SPLIT_SUMS = os.environ.get("DUSTIN_SPLIT_SUMS", "1") == "1"
-
-
-def split_parts(k: int, rows: int) -> int:
-  """How many slices of its input dimension `k` a skinny product (`rows`
-  rows) is split into: XLA's own choice for the draft's o and down at
-  16-32 rows (8 slices of 896, 16 of 4864)."""
-  parts = 8 if k <= 1024 else 16
-  while k % parts:
-    parts //= 2
-  return parts
-
-
-def _add_parts(x: jax.Array, proj: Linear, h: jax.Array) -> jax.Array:
-  """`x + proj(h)` with the product as f32 partial products over slices of
-  h's last dimension, summed by unrolled adds (elementwise: fusible into
-  the kernel that reads the sum), rounded to x's dtype once."""
-  k = h.shape[-1]
-  parts = split_parts(k, h.shape[0] * h.shape[1])
-  w = proj.kernel[...]
-  hs = h.reshape(*h.shape[:-1], parts, k // parts)
-  prods = jnp.einsum("...pk,pkn->p...n", hs, w.reshape(parts, k // parts, w.shape[-1]),
-                     preferred_element_type=jnp.float32)
-  acc = x.astype(jnp.float32)
-  if proj.bias is not None:
-    acc = acc + proj.bias[...].astype(jnp.float32)
-  for i in range(parts):
-    acc = acc + prods[i]
-  return acc.astype(x.dtype)
-
-
 class RMSNorm(nnx.Module):
 
   def __init__(self, dim: int, eps: float, dtype):
@@ -247,12 +215,8 @@ class MLP(nnx.Module):
     self.down_proj = Linear(f, d, bias=False, dtype=dtype, rngs=rngs)
 
   def __call__(self, x):
-    return self.down_proj(self.hidden(x))
-
-  def hidden(self, x):
-    """SiLU(gate) x up of `x`: the down projection's input."""
     gate_up = self.gate_up_proj(x).reshape(x.shape[:-1] + (-1, 2))
-    return jax.nn.silu(gate_up[..., 0]) * gate_up[..., 1]
+    return self.down_proj(jax.nn.silu(gate_up[..., 0]) * gate_up[..., 1])
 
 
 class Block(nnx.Module):
@@ -270,22 +234,11 @@ class Block(nnx.Module):
     """(q, k, v) of the residual stream `x` [B, T, d] (see Attention.qkv)."""
     return self.self_attn.qkv(self.input_layernorm(x), cos, sin)
 
-  def finish(self, x, attn, *, split_sums=False):
+  def finish(self, x, attn):
     """The residual stream after this layer, from its input `x` [B, T, d]
-    and the attention output `attn` [B, T, Hq, D].
-
-    `split_sums` (a streaming draft's few rows): o and down as f32 partial
-    products over slices of their input, added to the residual one slice
-    at a time. XLA splits these skinny GEMMs over their input itself, but
-    sums the splits in a reduction kernel of its own; written as adds, the
-    sum joins the residual add and the next RMSNorm in one kernel."""
-    if not split_sums:
-      x = x + self.self_attn.out(attn)
-      return x + self.mlp(self.post_attention_layernorm(x))
-    b, t = attn.shape[:2]
-    o = self.self_attn.o_proj
-    x = _add_parts(x, o, attn.reshape(b, t, -1))
-    return _add_parts(x, self.mlp.down_proj, self.mlp.hidden(self.post_attention_layernorm(x)))
+    and the attention output `attn` [B, T, Hq, D]."""
+    x = x + self.self_attn.out(attn)
+    return x + self.mlp(self.post_attention_layernorm(x))
 
   def __call__(self, x, cos, sin, k_cache, v_cache, lengths, kv_indices, impl, mesh,
                window=None):
@@ -307,8 +260,7 @@ class Block(nnx.Module):
     # the roped queries only where a caller taps them (XLA drops them elsewhere)
     r = qkv.shape[3] - 2
     q = qkv[:, :, :, :r].reshape(*x.shape[:2], -1, qkv.shape[-1])
-    return (self.finish(x, out, split_sums=window is not None and DRAFT_SPLIT_SUMS),
-            k_cache, v_cache, apply_rope(q, cos, sin))
+    return self.finish(x, out), k_cache, v_cache, apply_rope(q, cos, sin)
 
 
 def run_block(layer: Block, *args, impl, mesh, window=None):
