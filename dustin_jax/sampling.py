@@ -35,7 +35,8 @@ class SamplingConfig:
 
 def probs(logits: jax.Array, cfg: SamplingConfig) -> jax.Array:
   """f32 probabilities over the last axis after temperature, top-k, top-p.
-  Greedy: a one-hot of the argmax (so acceptance rules stay one code path)."""
+  Greedy: a one-hot of the argmax (`next_tokens` and greedy acceptance
+  need no distribution and skip it)."""
   logits = logits.astype(jnp.float32)
   if cfg.greedy:
     return jax.nn.one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1], dtype=jnp.float32)
@@ -58,6 +59,17 @@ def sample(rng: jax.Array, p: jax.Array) -> jax.Array:
   """Draw one token id per row of probabilities `p[..., V]` (int32)."""
   logp = jnp.log(jnp.maximum(p, 0.0))
   return jax.random.categorical(rng, logp, axis=-1).astype(jnp.int32)
+
+
+def next_tokens(rng: jax.Array, logits: jax.Array, cfg: SamplingConfig):
+  """The next token of each row of `logits[..., V]` (int32) and the
+  distribution it was drawn from: greedy takes the argmax and forms no
+  distribution (None: greedy acceptance compares tokens), otherwise a draw
+  from `probs()`."""
+  if cfg.greedy:
+    return jnp.argmax(logits.astype(jnp.float32), -1).astype(jnp.int32), None
+  p = probs(logits, cfg)
+  return sample(rng, p), p
 
 
 def pad_vocab(x: jax.Array, size: int) -> jax.Array:

@@ -18,7 +18,7 @@ from dustin_jax.decoding import (DecodeState, DecodeStats, Model, StepOutput, ch
 from dustin_jax.loop import decode_loop
 from dustin_jax.models.prefill import DEFAULT_TOKEN_BLOCK
 from dustin_jax.prefill import prefill
-from dustin_jax.sampling import SamplingConfig, probs, sample
+from dustin_jax.sampling import SamplingConfig, next_tokens
 from dustin_jax.sharding import shard_batch_tree
 
 
@@ -37,7 +37,7 @@ def vanilla_step_fn(graphdef, state, st: VanillaState, *, sampling: SamplingConf
   hidden, cache, _ = model(ds.pending[:, None], st.cache, impl=impl, mesh=mesh)
   logits = model.logits(hidden[:, 0])
   rng, key = jax.random.split(ds.rng)
-  tok = sample(key, probs(logits, sampling))
+  tok, _ = next_tokens(key, logits, sampling)
   active = ~ds.done
   ds, out, n = emit(dataclasses.replace(ds, rng=rng), tok[:, None], jnp.ones_like(tok), eos_ids)
   out = StepOutput(out, n, jnp.zeros_like(n), active, ds.done)

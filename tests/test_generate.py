@@ -7,7 +7,7 @@ import torch
 
 from dustin_jax.decoding import DecodeState, InputError, Model, emit
 from dustin_jax.vanilla import generate
-from dustin_jax.sampling import SamplingConfig
+from dustin_jax.sampling import SamplingConfig, next_tokens, probs
 from dustin_jax.weights import load_hf_checkpoint
 
 
@@ -52,6 +52,19 @@ def test_sampling_config_rejects_bad_values():
     SamplingConfig(temperature=1.0, top_p=0.0)
   with pytest.raises(ValueError, match="temperature"):
     SamplingConfig(temperature=-1.0)
+
+
+def test_next_tokens_greedy_is_the_argmax_without_a_distribution():
+  import jax
+  logits = jnp.asarray(np.random.default_rng(0).normal(size=(3, 40)), jnp.bfloat16)
+  tok, p = next_tokens(jax.random.key(0), logits, SamplingConfig())
+  assert p is None and tok.dtype == jnp.int32
+  assert np.asarray(tok).tolist() == np.argmax(np.asarray(logits, np.float32), -1).tolist()
+  # sampling: a draw from probs() (top_k = 1 leaves one token), the distribution returned
+  cfg = SamplingConfig(temperature=0.7, top_k=1)
+  tok, p = next_tokens(jax.random.key(1), logits, cfg)
+  np.testing.assert_array_equal(np.asarray(p), np.asarray(probs(logits, cfg)))
+  assert np.asarray(tok).tolist() == np.argmax(np.asarray(logits, np.float32), -1).tolist()
 
 
 def test_bound_step_compiles_once_and_binds_its_params(tiny_llama, rng):

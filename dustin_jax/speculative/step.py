@@ -31,7 +31,7 @@ from jax.sharding import Mesh
 from dustin_jax.bound_step import BoundStep
 from dustin_jax.cache import KVCache
 from dustin_jax.decoding import DecodeState, Model, StepOutput, emit
-from dustin_jax.sampling import SamplingConfig, pad_vocab, probs, sample
+from dustin_jax.sampling import SamplingConfig, next_tokens, pad_vocab, probs, sample
 from dustin_jax.selection.arr import arr_of_indices, layer_weights
 from dustin_jax.selection.base import FullCache, Policy
 from dustin_jax.sharding import draft_mesh
@@ -133,12 +133,6 @@ def draft_phase(graphdef, params, cache: KVCache, ds: DecodeState, signals, cfg:
                             mesh=mesh)
     return model.logits(hidden[:, -1]), taps, c
 
-  def pick(logits, key):
-    if cfg.sampling.greedy:  # greedy acceptance compares tokens: no distribution
-      return jnp.argmax(logits.astype(jnp.float32), -1).astype(jnp.int32), None
-    q = probs(logits, cfg.sampling)
-    return sample(key, q), q
-
   if forced is not None:
     tokens = jnp.concatenate([ds.prev[:, None], ds.pending[:, None], forced[:, :cfg.gamma - 1]], 1)
     _, taps, c = forward(cache, tokens, base - 1)
@@ -151,13 +145,13 @@ def draft_phase(graphdef, params, cache: KVCache, ds: DecodeState, signals, cfg:
   logits, taps, cache = forward(cache, jnp.stack([ds.prev, ds.pending], 1), base - 1)
   # the lookahead queries are those that predict d_1 .. d_gamma: pending's first
   first_taps = {layer: q[:, 1:] for layer, q in taps.items()}
-  tok, q = pick(logits, keys[1])
+  tok, q = next_tokens(keys[1], logits, cfg.sampling)
 
   def body(carry, xs):
     cache, tok = carry
     i, key = xs
     logits, taps, cache = forward(cache, tok[:, None], base + i)
-    nxt, q = pick(logits, key)
+    nxt, q = next_tokens(key, logits, cfg.sampling)
     return (cache, nxt), (nxt, q, taps)
 
   # unrolled: on XLA:GPU a while loop waits on the host at every iteration
