@@ -44,6 +44,13 @@ def backend() -> str:
   return jax.default_backend()
 
 
+def is_hopper() -> bool:
+  """Whether the first device is a Hopper GPU (compute capability 9.x: TMA
+  and WGMMA, what the Mosaic GPU kernels need)."""
+  dev = jax.devices()[0]
+  return dev.platform == "gpu" and str(getattr(dev, "compute_capability", "")).startswith("9")
+
+
 def resolve_impl(impl: str) -> str:
   """Maps ``impl`` ("auto" | "reference" | "gpu" | "tpu") to a concrete one."""
   if impl not in ("auto", "reference", "gpu", "tpu"):

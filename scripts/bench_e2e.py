@@ -71,6 +71,8 @@ flags.DEFINE_integer("repeats", 10, "timed steps per measurement (median)")
 flags.DEFINE_integer("num_layers", 0, "keep only this many layers of both models (smoke runs)")
 flags.DEFINE_string("tau_json", "results/eval/tau.json", "tau per (policy, gamma, budget)")
 flags.DEFINE_float("time_budget_s", 540, "stop starting new configs after this long")
+flags.DEFINE_list("draft_mlps", ["xla"], "the draft's MLP per speculative method, each timed: "
+                  "xla (its GEMMs) and/or kernel (kernels.swiglu_mlp, Hopper)")
 flags.DEFINE_bool("smoke", False, "tiny shapes on CPU (schema test)")
 flags.DEFINE_string("xla_flags", "", "appended to XLA_FLAGS before jax starts (e.g. "
                     "--xla_gpu_enable_command_buffer=... to try CUDA graphs)")
@@ -177,8 +179,11 @@ def bench_model(name, contexts, mesh, deadline, records, save):
   tcfg = ModelConfig.from_hf(dict(thf), dtype="bfloat16", num_layers=layers)
   dcfg = ModelConfig.from_hf(dict(dhf), dtype="bfloat16", num_layers=layers)
   dmesh = sharding.draft_mesh(mesh)
-  target, draft = random_model(tcfg, 0, mesh), random_model(dcfg, 1, dmesh)
-  tcfg, dcfg = target.cfg, draft.cfg
+  target = random_model(tcfg, 0, mesh)
+  drafts = {mode: random_model(dcfg, 1, dmesh) for mode in FLAGS.draft_mlps}  # same weights
+  if "kernel" in drafts:
+    drafts["kernel"].stream_mlps()
+  tcfg, dcfg = target.cfg, next(iter(drafts.values())).cfg
   max_ctx = max(contexts)
   for batch in (int(b) for b in FLAGS.batches):
     for gamma in (int(g) for g in FLAGS.gammas):
@@ -206,11 +211,13 @@ def bench_model(name, contexts, mesh, deadline, records, save):
           policy = policy_from_config(dict(policy=POLICY[method], budget=FLAGS.budget,
                                            n_sink=FLAGS.n_sink, n_window=FLAGS.n_window,
                                            m=FLAGS.m), tcfg, dcfg)
-        for context in contexts:
+        runs = [(c, None) for c in contexts] if method.startswith("vanilla") else [
+            (c, mode) for c in contexts for mode in drafts]
+        for context, draft_mlp in runs:
           if method == "vanilla_xla" and context != max_ctx:
             continue  # XLA reads the whole buffer: only fair where context fills it
           rec = dict(method=method, model=name, batch=batch, context=context, gamma=gamma,
-                     budget=FLAGS.budget if method in SPARSE else None,
+                     budget=FLAGS.budget if method in SPARSE else None, draft_mlp=draft_mlp,
                      target_layers=tcfg.num_layers, device=jax.devices()[0].device_kind,
                      devices=len(tcache.k[0].sharding.device_set),  # the cache's, as placed
                      jax_version=jax.__version__, xla_flags=os.environ.get("XLA_FLAGS", ""))
@@ -221,7 +228,8 @@ def bench_model(name, contexts, mesh, deadline, records, save):
             else:
               cfg = SpecConfig(gamma=gamma, policy=policy, mesh=mesh,
                                draft_kv="full" if method == "sd_full" else "streaming")
-              times, tcache, dcache = bench_spec(target, draft, tcache, dcache, context, cfg,
+              times, tcache, dcache = bench_spec(target, drafts[draft_mlp], tcache, dcache,
+                                                 context, cfg,
                                                  FLAGS.repeats, str(batch) in FLAGS.phase_batches)
             rec.update(times)
             rec["floor_bytes"] = floor_bytes(method, tcfg, dcfg, batch, context, gamma,

@@ -33,6 +33,8 @@ from dustin_jax.cache import KVCache, write_rows
 from dustin_jax.config import ModelConfig, rope_inv_freq
 from kernels.decode_attention.ops import decode_attention
 from kernels.sparse_verify.ops import sparse_verify_packed
+from kernels.swiglu_mlp import ops as swiglu_mlp_ops
+from kernels.swiglu_mlp.reference import stream_layout
 from kernels.window_attention.ops import window_attention
 
 
@@ -213,10 +215,30 @@ class MLP(nnx.Module):
     d, f = cfg.hidden_size, cfg.intermediate_size
     self.gate_up_proj = Linear(d, 2 * f, bias=False, dtype=dtype, rngs=rngs)  # gate_up_columns
     self.down_proj = Linear(f, d, bias=False, dtype=dtype, rngs=rngs)
+    self.streamed = None  # both matrices in kernels.swiglu_mlp's layout, after `stream()`
+
+  def stream(self):
+    """Keep the weights only in the layout of the one-kernel MLP
+    (`kernels.swiglu_mlp`), which `add_to` runs for <= 64 rows."""
+    self.streamed = nnx.data(nnx.Param(stream_layout(self.gate_up_proj.kernel[...],
+                                                     self.down_proj.kernel[...])))
+    self.gate_up_proj = self.down_proj = None
 
   def __call__(self, x):
     gate_up = self.gate_up_proj(x).reshape(x.shape[:-1] + (-1, 2))
     return self.down_proj(jax.nn.silu(gate_up[..., 0]) * gate_up[..., 1])
+
+  def add_to(self, residual, x, impl="auto"):
+    """`residual + self(x)`; with streamed weights one kernel (the sum in
+    f32, rounded once), its reference beyond the kernel's row count."""
+    if self.streamed is None:
+      return residual + self(x)
+    rows = x.reshape(-1, x.shape[-1])
+    if not swiglu_mlp_ops.fits(*rows.shape, rows.dtype):
+      impl = "reference"
+    out = swiglu_mlp_ops.swiglu_mlp(rows, self.streamed[...], residual.reshape(rows.shape),
+                                    impl=impl)
+    return out.astype(residual.dtype).reshape(residual.shape)
 
 
 class Block(nnx.Module):
@@ -234,11 +256,11 @@ class Block(nnx.Module):
     """(q, k, v) of the residual stream `x` [B, T, d] (see Attention.qkv)."""
     return self.self_attn.qkv(self.input_layernorm(x), cos, sin)
 
-  def finish(self, x, attn):
+  def finish(self, x, attn, impl="auto"):
     """The residual stream after this layer, from its input `x` [B, T, d]
     and the attention output `attn` [B, T, Hq, D]."""
     x = x + self.self_attn.out(attn)
-    return x + self.mlp(self.post_attention_layernorm(x))
+    return self.mlp.add_to(x, self.post_attention_layernorm(x), impl)
 
   def __call__(self, x, cos, sin, k_cache, v_cache, lengths, kv_indices, impl, mesh,
                window=None):
@@ -247,7 +269,7 @@ class Block(nnx.Module):
                               window=window, kv_indices=kv_indices)
     q, k, v = self.qkv(x, cos, sin)
     out, k_cache, v_cache = attention(q, k, v, k_cache, v_cache, lengths, impl, mesh)
-    return self.finish(x, out), k_cache, v_cache, q
+    return self.finish(x, out, impl), k_cache, v_cache, q
 
   def packed_call(self, x, cos, sin, k_cache, v_cache, lengths, impl, mesh, *, window,
                   kv_indices):
@@ -260,7 +282,7 @@ class Block(nnx.Module):
     # the roped queries only where a caller taps them (XLA drops them elsewhere)
     r = qkv.shape[3] - 2
     q = qkv[:, :, :, :r].reshape(*x.shape[:2], -1, qkv.shape[-1])
-    return self.finish(x, out), k_cache, v_cache, apply_rope(q, cos, sin)
+    return self.finish(x, out, impl), k_cache, v_cache, apply_rope(q, cos, sin)
 
 
 def run_block(layer: Block, *args, impl, mesh, window=None):
@@ -316,6 +338,12 @@ class Decoder(nnx.Module):
       if i in tap_layers:
         taps[i] = q
     return self.norm(x), cache, taps
+
+  def stream_mlps(self):
+    """Every layer's MLP as one kernel at decode rows (`MLP.stream`; Hopper:
+    TMA, WGMMA), its weights kept in that kernel's layout only."""
+    for layer in self.layers:
+      layer.mlp.stream()
 
   def logits(self, hidden: jax.Array) -> jax.Array:
     """f32 logits [..., vocab] of final hidden states."""
