@@ -29,6 +29,13 @@ class Model(NamedTuple):
   graphdef: nnx.GraphDef
   state: nnx.State
 
+  def with_streamed_mlps(self) -> "Model":
+    """This model with each MLP kept in the layout of the one-kernel MLP
+    (`Decoder.stream_mlps`)."""
+    module = nnx.merge(self.graphdef, self.state)
+    module.stream_mlps()
+    return Model(self.cfg, *nnx.split(module))
+
 
 class InputError(ValueError):
   """Inputs that cannot be decoded as asked (too long, empty, ...)."""

@@ -182,7 +182,7 @@ def bench_model(name, contexts, mesh, deadline, records, save):
   target = random_model(tcfg, 0, mesh)
   drafts = {mode: random_model(dcfg, 1, dmesh) for mode in FLAGS.draft_mlps}  # same weights
   if "kernel" in drafts:
-    drafts["kernel"].stream_mlps()
+    drafts["kernel"] = drafts["kernel"].with_streamed_mlps()
   tcfg, dcfg = target.cfg, next(iter(drafts.values())).cfg
   max_ctx = max(contexts)
   for batch in (int(b) for b in FLAGS.batches):

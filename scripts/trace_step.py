@@ -141,7 +141,7 @@ def main(argv):
   dcfg = ModelConfig.from_hf(dict(dhf), dtype="bfloat16", num_layers=layers)
   target, draft = random_model(tcfg, 0, mesh), random_model(dcfg, 1, dmesh)
   if FLAGS.draft_mlp == "kernel":
-    draft.stream_mlps()
+    draft = draft.with_streamed_mlps()
   tcfg, dcfg = target.cfg, draft.cfg
   # lengths grow as steps commit: room for every step this script runs
   n_steps = 2 + 3 * FLAGS.asrun_steps + FLAGS.steps
