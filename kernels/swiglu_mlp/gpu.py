@@ -13,22 +13,24 @@ residual), not by another kernel.
 Program p owns F block p (`reference.BLOCK` = 64 rows of F) and streams
 row block p of the packed weights (`reference.stream_layout`) through
 `stages` shared-memory slots: a TMA-only warpgroup fills them, a WGMMA
-warpgroup empties them.
-  * x [M, D] is copied once into shared memory: its M rows into the first M
-    rows of a 64-row buffer, WGMMA's row operand. Rows M..63 are never
-    written; an output row depends on its own x row only, and only the first
-    M rows are stored.
-  * steps 0 .. D/64 - 1: one [64 x (64 gate | 64 up)] tile each, two WGMMAs
-    into the gate and up accumulators; after the last, h = silu(gate) * up
-    of the block goes to shared memory in x's dtype.
-  * steps D/64 .. : one [64 F rows x 128 D columns] tile of down each, one
-    WGMMA h @ tile, stored through shared memory by a TMA reduce-add into
-    those 128 columns of the f32 output (in interpret mode, which has no TMA
-    reductions, into program p's own partial, summed by XLA).
+warpgroup empties them. A program's time is its ~344 KB (0.5B) over the
+bytes it keeps in flight, so shared memory goes to weight slots: x comes
+tile by tile beside them, as WGMMA's 64-row operand read from the M rows of
+x (TMA fills the rows past M with zeros; an output row depends on its own x
+row only, and only the first M rows are stored).
+  * steps 0 .. D/64 - 1: x[:, 64 columns] and one [64 x (64 gate | 64 up)]
+    tile, two WGMMAs into the gate and up accumulators; after the last,
+    h = silu(gate) * up of the block goes to shared memory in x's dtype;
+  * steps D/64 .. : one [64 F rows x 128 D columns] tile of down, two
+    WGMMAs h @ tile (64 columns each), each half stored through its own
+    shared-memory slot by a TMA reduce-add into those columns of the f32
+    output (in interpret mode, which has no TMA reductions, into program
+    p's own partial, summed by XLA). The x tile of these steps is the
+    last one again (read from L2; the pipeline's specs are per step).
 
-Shared memory: 64 x D x itemsize (x) + stages x 64 x 128 x itemsize (the
-weight slots) + 64 x 64 x itemsize (h) + 64 x 128 x 4 (the output tile) must
-fit the SM's 227 KB: D <= 1024 with 4 stages.
+Shared memory: stages x (64 x 64 + 64 x 128) x itemsize (x and weight
+slots) + 64 x 64 x itemsize (h) + 2 x 64 x 64 x 4 (the output slots) must
+fit the SM's 227 KB: 7 stages at bf16.
 """
 from __future__ import annotations
 
@@ -62,16 +64,16 @@ def _transforms(cols: int, itemsize: int):
   return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
 
 
-def smem_bytes(d: int, *, itemsize: int, stages: int) -> int:
+def smem_bytes(*, itemsize: int, stages: int) -> int:
   """Shared memory of one program (see the module docstring)."""
-  return (ROWS * d * itemsize + stages * BLOCK * TILE_COLS * itemsize + ROWS * BLOCK * itemsize
-          + ROWS * TILE_COLS * 4)
+  return (stages * (ROWS * BLOCK + BLOCK * TILE_COLS) * itemsize + ROWS * BLOCK * itemsize
+          + 2 * ROWS * BLOCK * 4)
 
 
 @functools.partial(jax.jit, static_argnames=("stages", "interpret"))
-def swiglu_mlp_gpu(x, w_stream, residual, *, stages: int = 4, interpret: bool = False):
+def swiglu_mlp_gpu(x, w_stream, residual, *, stages: int = 7, interpret: bool = False):
   """See ``reference.py`` for the contract; ``ops.swiglu_mlp`` checks the
-  shapes and pads the rows to a multiple of 8."""
+  shapes and pads the rows to a multiple of 8. Returns [M, D] f32."""
   m, d = x.shape
   programs = w_stream.shape[0]
   itemsize = jnp.dtype(x.dtype).itemsize
@@ -82,11 +84,8 @@ def swiglu_mlp_gpu(x, w_stream, residual, *, stages: int = 4, interpret: bool = 
     p = lax.axis_index("p")
     out_block = out_gmem.at[p] if interpret else out_gmem
 
-    def scope(x_smem, h_smem, out_smem, ready):
+    def scope(h_smem, out_smem):
       def compute_context(run_pipeline):
-        plgpu.copy_gmem_to_smem(x_gmem, x_smem.at[pl.ds(0, m)], ready.at[0])
-        plgpu.barrier_wait(ready.at[0])
-
         def accumulators(acc_gate, acc_up):
           run_pipeline((acc_gate, acc_up))
           plgpu.wait_smem_to_gmem(0)
@@ -94,16 +93,15 @@ def swiglu_mlp_gpu(x, w_stream, residual, *, stages: int = 4, interpret: bool = 
         pl.run_scoped(accumulators, plgpu.ACC((ROWS, BLOCK), jnp.float32),
                       plgpu.ACC((ROWS, BLOCK), jnp.float32))
 
-      def step(idx, w_smem, accs):
+      def step(idx, x_smem, w_smem, accs):
         acc_gate, acc_up = accs
         s = idx[0]
 
         @pl.when(s < gate_up_steps)
         def _gate_up():
-          a = x_smem.at[:, pl.ds(s * BLOCK, BLOCK)]
-          plgpu.wgmma(acc_gate, a, w_smem.at[:, pl.ds(0, BLOCK)])
-          plgpu.wgmma(acc_up, a, w_smem.at[:, pl.ds(BLOCK, BLOCK)])
-          plgpu.wgmma_wait(0)  # the slot goes back to the loads when this returns
+          plgpu.wgmma(acc_gate, x_smem, w_smem.at[:, pl.ds(0, BLOCK)])
+          plgpu.wgmma(acc_up, x_smem, w_smem.at[:, pl.ds(BLOCK, BLOCK)])
+          plgpu.wgmma_wait(0)  # the slots go back to the loads when this returns
 
         @pl.when(s == gate_up_steps - 1)
         def _swiglu():
@@ -113,47 +111,52 @@ def swiglu_mlp_gpu(x, w_stream, residual, *, stages: int = 4, interpret: bool = 
 
         @pl.when(s >= gate_up_steps)
         def _down():
-          def columns(acc):
-            plgpu.wgmma(acc, h_smem, w_smem)
-            plgpu.wgmma_wait(0)
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last store has read out_smem
-            out_smem[...] = acc[...]
-            plgpu.commit_smem()
-            cols = pl.ds((s - gate_up_steps) * TILE_COLS, TILE_COLS)
-            plgpu.copy_smem_to_gmem(out_smem.at[pl.ds(0, m)], out_block.at[:, cols],
-                                    reduction_op=None if interpret else "add")
+          first = (s - gate_up_steps) * TILE_COLS
 
-          pl.run_scoped(columns, plgpu.ACC((ROWS, TILE_COLS), jnp.float32))
+          def columns(acc_lo, acc_hi):
+            plgpu.wgmma(acc_lo, h_smem, w_smem.at[:, pl.ds(0, BLOCK)])
+            plgpu.wgmma(acc_hi, h_smem, w_smem.at[:, pl.ds(BLOCK, BLOCK)])
+            plgpu.wgmma_wait(0)
+            for half, acc in enumerate((acc_lo, acc_hi)):
+              plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # this slot's last store has read it
+              out_smem[half] = acc[...]
+              plgpu.commit_smem()
+              plgpu.copy_smem_to_gmem(out_smem.at[half, pl.ds(0, m)],
+                                      out_block.at[:, pl.ds(first + half * BLOCK, BLOCK)],
+                                      reduction_op=None if interpret else "add")
+
+          pl.run_scoped(columns, plgpu.ACC((ROWS, BLOCK), jnp.float32),
+                        plgpu.ACC((ROWS, BLOCK), jnp.float32))
 
         return accs
 
       pipeline = plgpu.emit_pipeline_warp_specialized(
           step, grid=(steps,), memory_registers=40,
-          in_specs=[plgpu.BlockSpec((BLOCK, TILE_COLS), lambda s: (s, 0),
+          in_specs=[plgpu.BlockSpec((ROWS, BLOCK),
+                                    lambda s: (0, jnp.minimum(s, gate_up_steps - 1)),
+                                    transforms=_transforms(BLOCK, itemsize)),
+                    plgpu.BlockSpec((BLOCK, TILE_COLS), lambda s: (s, 0),
                                     transforms=_transforms(BLOCK, itemsize))],
           wg_axis="wg", num_compute_wgs=1, max_concurrent_steps=stages,
           compute_context=compute_context)
-      pipeline(w_gmem.at[p])
+      pipeline(x_gmem, w_gmem.at[p])
 
     pl.run_scoped(
         scope,
-        plgpu.SMEM((ROWS, d), x.dtype, transforms=_transforms(BLOCK, itemsize)),
         plgpu.SMEM((ROWS, BLOCK), x.dtype, transforms=_transforms(BLOCK, itemsize)),
-        plgpu.SMEM((ROWS, TILE_COLS), jnp.float32, transforms=_transforms(TILE_COLS, 4)),
-        plgpu.Barrier(num_barriers=1),
+        plgpu.SMEM((2, ROWS, BLOCK), jnp.float32, transforms=_transforms(BLOCK, 4)),
         collective_axes="wg")
 
-  mesh = dict(grid=(programs,), grid_names=("p",), num_threads=2, thread_name="wg",
-              compiler_params=plgpu.CompilerParams(
-                  lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
-  if interpret:
+  mesh = dict(grid=(programs,), grid_names=("p",), num_threads=2, thread_name="wg")
+  params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup)
+  if interpret:  # the x rows past M as explicit zeros, and per-program partials
+    x = jnp.pad(x, ((0, ROWS - m), (0, 0)))
     partials = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((programs, m, d), jnp.float32),
-                            interpret=interpret_params(), **mesh)(x, w_stream)
+                            compiler_params=params, interpret=interpret_params(),
+                            **mesh)(x, w_stream)
     return residual.astype(jnp.float32) + partials.sum(0)
   # the residual's f32 copy is the buffer the programs add into: a Ref
   # argument of the kernel is aliased in and out
   out = jax.new_ref(residual.astype(jnp.float32))
-  compiler_params = mesh.pop("compiler_params")
-  pl.kernel(body, out_type=(), mesh=plgpu.Mesh(**mesh),
-            compiler_params=compiler_params)(x, w_stream, out)
+  pl.kernel(body, out_type=(), mesh=plgpu.Mesh(**mesh), compiler_params=params)(x, w_stream, out)
   return out[...]

@@ -10,14 +10,14 @@ from kernels.swiglu_mlp.gpu import ROWS, SMEM_BYTES, smem_bytes, swiglu_mlp_gpu
 from kernels.swiglu_mlp.reference import BLOCK, TILE_COLS, swiglu_mlp_reference
 
 
-def fits(m: int, d: int, dtype, stages: int = 4) -> bool:
-  """Whether the kernel takes x [m, d] (rows, shared memory, dtype)."""
+def fits(m: int, d: int, dtype, stages: int = 7) -> bool:
+  """Whether the kernel takes x [m, d] (rows, D, dtype, shared memory)."""
   return (1 <= m <= ROWS and d % TILE_COLS == 0
           and jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-          and smem_bytes(d, itemsize=jnp.dtype(dtype).itemsize, stages=stages) <= SMEM_BYTES)
+          and smem_bytes(itemsize=jnp.dtype(dtype).itemsize, stages=stages) <= SMEM_BYTES)
 
 
-def swiglu_mlp(x, w_stream, residual, *, impl: str = "auto", stages: int = 4,
+def swiglu_mlp(x, w_stream, residual, *, impl: str = "auto", stages: int = 7,
                interpret: bool = False) -> jax.Array:
   """``residual + (silu(x @ gate) * (x @ up)) @ down`` in f32 for x [M, D],
   M <= 64 rows, the weights packed by `reference.stream_layout`.
@@ -43,12 +43,11 @@ def swiglu_mlp(x, w_stream, residual, *, impl: str = "auto", stages: int = 4,
   if x.dtype not in (jnp.bfloat16, jnp.float16):
     raise ValueError(f"the kernel takes bf16 or f16 x and w_stream, got {x.dtype}")
   if not fits(m, d, x.dtype, stages):
+    need = smem_bytes(itemsize=x.dtype.itemsize, stages=stages)
     raise ValueError(f"the kernel takes 1..{ROWS} rows and D a multiple of {TILE_COLS} with "
-                     f"x and {stages} weight tiles in {SMEM_BYTES} B of shared memory "
-                     f"({smem_bytes(d, itemsize=x.dtype.itemsize, stages=stages)} B needed), "
-                     f"got [M, D] = {x.shape}")
-  rows = common.round_up(m, 8)  # TMA copies rows in tiles of 8
-  pad = ((0, rows - m), (0, 0))
+                     f"{stages} x and weight tiles in {SMEM_BYTES} B of shared memory "
+                     f"({need} B needed), got [M, D] = {x.shape}")
+  pad = ((0, common.round_up(m, 8) - m), (0, 0))  # TMA stores rows in tiles of 8
   out = swiglu_mlp_gpu(jnp.pad(x, pad), w_stream, jnp.pad(residual, pad), stages=stages,
                        interpret=interpret)
   return out[:m]

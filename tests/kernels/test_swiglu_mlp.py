@@ -1,7 +1,6 @@
 """kernels/swiglu_mlp: the streamed layout, the Mosaic GPU kernel against its
 reference (interpreted on CPU, compiled on a Hopper GPU), the public entry's
 checks, and a decoder whose MLPs run streamed."""
-import functools
 import re
 
 import jax
@@ -62,8 +61,8 @@ def test_reference_is_the_residual_plus_the_swiglu_mlp():
 
 # ------------------------------------------------- the kernel, interpreted
 # (m, d, f, stages): 16 rows (a draft pass at batch 16), two programs, the
-# pipeline's slots fewer than its 6 steps; 5 rows (padded to 8 for the
-# copies) over three programs and 3 steps
+# pipeline's slots fewer than its 6 steps; 5 rows (padded to 8) over three
+# programs and 3 steps
 @pytest.mark.parametrize("m,d,f,stages", [(16, 256, 128, 2), (5, 128, 192, 3)])
 def test_kernel_interpreted_equals_reference(m, d, f, stages):
   x, gate_up, down, residual = operands(m + d + f, m, d, f)
@@ -80,7 +79,7 @@ def test_kernel_lowers_to_one_mosaic_gpu_call_that_adds_into_the_residual():
   aliased output and the down products reach it by TMA reduce-adds."""
   x = jax.ShapeDtypeStruct((16, 896), jnp.bfloat16)
   w = jax.ShapeDtypeStruct((4864 // 64, 64 * (896 // 64 + 896 // 128), 128), jnp.bfloat16)
-  text = jax.jit(functools.partial(swiglu_mlp_gpu, stages=4)).trace(x, w, x).lower(
+  text = jax.jit(swiglu_mlp_gpu).trace(x, w, x).lower(
       lowering_platforms=("cuda",)).as_text()
   assert len(re.findall(r"custom_call @mosaic_gpu", text)) == 1
   assert "output_operand_alias" in text and "cp.reduce.async.bulk.tensor" in text
@@ -103,8 +102,10 @@ def test_ops_checks_and_dispatch():
     swiglu_mlp(x.astype(jnp.float32), w.astype(jnp.float32), residual, impl="gpu")
   with pytest.raises(ValueError, match="1..64 rows"):
     swiglu_mlp(jnp.zeros((65, 256), jnp.bfloat16), w, jnp.zeros((65, 256)), impl="gpu")
-  assert fits(16, 896, jnp.bfloat16) and not fits(16, 2048, jnp.bfloat16)
+  # the 0.5B and 1B drafts at batch 16; not 80 rows, D = 960 or 8 stages
+  assert fits(16, 896, jnp.bfloat16) and fits(16, 2048, jnp.bfloat16)
   assert not fits(80, 896, jnp.bfloat16) and not fits(16, 960, jnp.bfloat16)
+  assert not fits(16, 896, jnp.bfloat16, stages=8)
 
 
 # ----------------------------------------------------- the decoder, streamed
