@@ -43,6 +43,8 @@ def base_config() -> ml_collections.ConfigDict:
   c.draft_kv = "full"             # full | streaming (MagicDec: sink + window)
   c.draft_sink = 16
   c.draft_window = 496
+  c.draft_mlp = "auto"            # the draft's MLPs: auto | xla | kernel (one kernel per layer
+                                  # pass, Hopper, one device; auto: wherever it runs)
 
   c.selection = ml_collections.ConfigDict()
   # which KV rows the target verifies against (dustin_jax.selection.policies)

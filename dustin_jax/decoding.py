@@ -37,6 +37,31 @@ class Model(NamedTuple):
     return Model(self.cfg, *nnx.split(module))
 
 
+DRAFT_MLPS = ("auto", "xla", "kernel")
+
+
+def resolve_draft_mlp(mode: str, cfg: ModelConfig, mesh=None) -> str:
+  """How a draft's MLPs run: "kernel" (one kernel per layer pass,
+  `kernels.swiglu_mlp`: a Hopper GPU, one device, hidden size a multiple of
+  128, intermediate size of 64, bf16 / f16) or "xla" (its GEMMs); "auto":
+  the kernel wherever it can run."""
+  from kernels.common import is_hopper
+  if mode not in DRAFT_MLPS:
+    raise ValueError(f"draft_mlp must be one of {DRAFT_MLPS}, got {mode!r}")
+  shapes_fit = (cfg.hidden_size % 128 == 0 and cfg.intermediate_size % 64 == 0
+                and cfg.dtype in ("bfloat16", "float16"))
+  one_device = mesh is None or mesh.devices.size == 1
+  if mode == "auto":
+    return "kernel" if shapes_fit and one_device and is_hopper() else "xla"
+  if mode == "kernel" and not (shapes_fit and one_device):
+    raise ValueError(
+        "draft_mlp='kernel' runs on one device with hidden_size % 128 == 0, "
+        f"intermediate_size % 64 == 0 and a 16-bit dtype; this draft has hidden_size="
+        f"{cfg.hidden_size}, intermediate_size={cfg.intermediate_size}, dtype={cfg.dtype}"
+        f"{'' if one_device else ' and a mesh of several devices'}: use 'xla' or 'auto'")
+  return mode
+
+
 class InputError(ValueError):
   """Inputs that cannot be decoded as asked (too long, empty, ...)."""
 

@@ -21,7 +21,8 @@ from dustin_jax import sharding, weights
 from dustin_jax.assets import MODELS, AssetError, ensure_model
 from dustin_jax.assets import load_tokenizer as gguf_tokenizer
 from dustin_jax.config import CheckpointError, ConfigError, ModelConfig
-from dustin_jax.decoding import InputError, Model, check_lengths
+from dustin_jax.decoding import (DRAFT_MLPS, InputError, Model, check_lengths,
+                                 resolve_draft_mlp)
 from dustin_jax.gguf_file import read_gguf_config
 from dustin_jax.models.prefill import bucket_len
 from dustin_jax.sampling import SamplingConfig
@@ -44,7 +45,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 JSONL_EXAMPLE = '{"prompt": "..."}'
 # the config's choices and lower bounds, checked first
 ONE_OF = (("method", ("speculative", "vanilla")), ("dtype", ("bfloat16", "float32")),
-          ("impl", IMPLS), ("draft_kv", DRAFT_KV_MODES))
+          ("impl", IMPLS), ("draft_kv", DRAFT_KV_MODES), ("draft_mlp", DRAFT_MLPS))
 AT_LEAST = (("gamma", 1), ("max_new_tokens", 1), ("max_len", 2), ("prefill_block", 1),
             ("seed", 0))
 
@@ -426,12 +427,18 @@ def build(c) -> Run:
   if speculative:
     check_pair(target_cfg, draft_cfg)
     make_policy(c, target_cfg, draft_cfg)  # its checks now; built again for the placed models
+    try:
+      resolve_draft_mlp(c.draft_mlp, draft_cfg, mesh)
+    except ValueError as e:
+      raise ConfigError(str(e)) from None
   for (role, cfg) in cfgs:
     check_checkpoint(c[role], c, cfg)
   plan = plan_memory(c, mesh, target_cfg, draft_cfg, batch,
                      prompt_len=bucket_len(max(len(p) for p in prompts), c.max_len))
   target, _ = load_model(c.target, c, "target", mesh)
   draft = load_model(c.draft, c, "draft", mesh)[0] if speculative else None
+  if speculative and resolve_draft_mlp(c.draft_mlp, draft.cfg, mesh) == "kernel":
+    draft = draft.with_streamed_mlps()
   eos = eos_ids(tokenizer, target.cfg)
   # plain decoding verifies nothing
   policy = make_policy(c, target.cfg, draft.cfg) if speculative else FullCache()

@@ -43,6 +43,7 @@ import jax.numpy as jnp
 
 from dustin_jax import sharding
 from dustin_jax.config import ModelConfig, append_xla_flags
+from dustin_jax.decoding import resolve_draft_mlp
 from dustin_jax.selection.policies import policy_from_config
 from dustin_jax.speculative.step import SpecConfig, SpecState, bind_spec_step
 from dustin_jax.vanilla import VanillaState, bind_vanilla_step
@@ -71,8 +72,9 @@ flags.DEFINE_integer("repeats", 10, "timed steps per measurement (median)")
 flags.DEFINE_integer("num_layers", 0, "keep only this many layers of both models (smoke runs)")
 flags.DEFINE_string("tau_json", "results/eval/tau.json", "tau per (policy, gamma, budget)")
 flags.DEFINE_float("time_budget_s", 540, "stop starting new configs after this long")
-flags.DEFINE_list("draft_mlps", ["xla"], "the draft's MLP per speculative method, each timed: "
-                  "xla (its GEMMs) and/or kernel (kernels.swiglu_mlp, Hopper)")
+flags.DEFINE_list("draft_mlps", ["auto"], "the draft's MLPs, each timed per speculative "
+                  "method: auto | xla (its GEMMs) | kernel (kernels.swiglu_mlp, Hopper; "
+                  "auto: wherever it runs, as the CLI)")
 flags.DEFINE_bool("smoke", False, "tiny shapes on CPU (schema test)")
 flags.DEFINE_string("xla_flags", "", "appended to XLA_FLAGS before jax starts (e.g. "
                     "--xla_gpu_enable_command_buffer=... to try CUDA graphs)")
@@ -180,10 +182,11 @@ def bench_model(name, contexts, mesh, deadline, records, save):
   dcfg = ModelConfig.from_hf(dict(dhf), dtype="bfloat16", num_layers=layers)
   dmesh = sharding.draft_mesh(mesh)
   target = random_model(tcfg, 0, mesh)
-  drafts = {mode: random_model(dcfg, 1, dmesh) for mode in FLAGS.draft_mlps}  # same weights
-  if "kernel" in drafts:
-    drafts["kernel"] = drafts["kernel"].with_streamed_mlps()
-  tcfg, dcfg = target.cfg, next(iter(drafts.values())).cfg
+  drafts = {}  # the same weights in each
+  for mode in dict.fromkeys(resolve_draft_mlp(m, dcfg, mesh) for m in FLAGS.draft_mlps):
+    draft = random_model(dcfg, 1, dmesh)
+    drafts[mode] = draft.with_streamed_mlps() if mode == "kernel" else draft
+  tcfg, dcfg = target.cfg, draft.cfg
   max_ctx = max(contexts)
   for batch in (int(b) for b in FLAGS.batches):
     for gamma in (int(g) for g in FLAGS.gammas):

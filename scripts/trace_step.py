@@ -32,6 +32,7 @@ import jax
 from configs import shapes
 from dustin_jax import sharding
 from dustin_jax.config import ModelConfig, append_xla_flags
+from dustin_jax.decoding import resolve_draft_mlp
 from dustin_jax.selection.policies import policy_from_config
 from dustin_jax.speculative.step import SpecConfig, bind_spec_step
 from dustin_jax.vanilla import VanillaState, bind_vanilla_step
@@ -55,8 +56,9 @@ flags.DEFINE_string("out_name", "trace_step.json", "output file in out_dir")
 flags.DEFINE_string("xla_flags", "", "appended to XLA_FLAGS before jax starts")
 flags.DEFINE_bool("save_hlo", False, "also write the dustin step's compiled HLO text "
                   "(<out_name>.hlo.txt.gz): what each fused kernel computes")
-flags.DEFINE_enum("draft_mlp", "xla", ["xla", "kernel"], "the draft's MLP: XLA's GEMMs or "
-                  "one kernel per layer (kernels.swiglu_mlp, Hopper)")
+flags.DEFINE_enum("draft_mlp", "auto", ["auto", "xla", "kernel"], "the draft's MLPs: XLA's "
+                  "GEMMs, one kernel per layer pass (kernels.swiglu_mlp, Hopper) or auto "
+                  "(the kernel wherever it runs, as the CLI)")
 flags.DEFINE_bool("smoke", False, "tiny shapes (CPU)")
 FLAGS = flags.FLAGS
 
@@ -140,14 +142,15 @@ def main(argv):
   tcfg = ModelConfig.from_hf(dict(thf), dtype="bfloat16", num_layers=layers)
   dcfg = ModelConfig.from_hf(dict(dhf), dtype="bfloat16", num_layers=layers)
   target, draft = random_model(tcfg, 0, mesh), random_model(dcfg, 1, dmesh)
-  if FLAGS.draft_mlp == "kernel":
+  draft_mlp = resolve_draft_mlp(FLAGS.draft_mlp, dcfg, mesh)
+  if draft_mlp == "kernel":
     draft = draft.with_streamed_mlps()
   tcfg, dcfg = target.cfg, draft.cfg
   # lengths grow as steps commit: room for every step this script runs
   n_steps = 2 + 3 * FLAGS.asrun_steps + FLAGS.steps
   max_len = ctx + (n_steps + 2) * (FLAGS.gamma + 1) + 8
   out = {"device": jax.devices()[0].device_kind, "devices": FLAGS.mesh_model,
-         "model": FLAGS.model, "draft_mlp": FLAGS.draft_mlp, "batch": b, "context": ctx, "gamma": FLAGS.gamma,
+         "model": FLAGS.model, "draft_mlp": draft_mlp, "batch": b, "context": ctx, "gamma": FLAGS.gamma,
          "jax_version": jax.__version__, "xla_flags": os.environ.get("XLA_FLAGS", "")}
 
   vstep = bind_vanilla_step(target, mesh=mesh)

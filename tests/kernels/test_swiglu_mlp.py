@@ -133,6 +133,21 @@ def test_decoder_with_streamed_mlps_equals_the_decoder():
     np.testing.assert_allclose(as_f32(got), as_f32(want), rtol=3e-2, atol=3e-2)
 
 
+def test_draft_mlp_mode_resolves_to_what_can_run():
+  from dustin_jax.config import ModelConfig, RopeConfig
+  from dustin_jax.decoding import resolve_draft_mlp
+  cfg = ModelConfig(model_type="qwen2", vocab_size=101, hidden_size=896, intermediate_size=4864,
+                    num_layers=1, num_heads=14, num_kv_heads=2, head_dim=64,
+                    rope=RopeConfig(theta=1e6), dtype="bfloat16")
+  assert resolve_draft_mlp("auto", cfg) == ("kernel" if ON_HOPPER else "xla")
+  assert resolve_draft_mlp("kernel", cfg) == "kernel" and resolve_draft_mlp("xla", cfg) == "xla"
+  assert resolve_draft_mlp("auto", cfg.replace(hidden_size=960)) == "xla"
+  with pytest.raises(ValueError, match="hidden_size=960"):
+    resolve_draft_mlp("kernel", cfg.replace(hidden_size=960))
+  with pytest.raises(ValueError, match="one of"):
+    resolve_draft_mlp("triton", cfg)
+
+
 # ------------------------------------------------------- compiled (Hopper)
 @pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper GPU (TMA, WGMMA)")
 @pytest.mark.parametrize("m", [16, 5])
