@@ -101,10 +101,13 @@ def swiglu_mlp_gpu(x, w_stream, residual, *, stages: int = 7, interpret: bool = 
         def _gate_up():
           plgpu.wgmma(acc_gate, x_smem, w_smem.at[:, pl.ds(0, BLOCK)])
           plgpu.wgmma(acc_up, x_smem, w_smem.at[:, pl.ds(BLOCK, BLOCK)])
-          plgpu.wgmma_wait(0)  # the slots go back to the loads when this returns
+          # the last step's two products are done: its slots go back to the
+          # loads (delay_release=1) while this step's run
+          plgpu.wgmma_wait(2)
 
         @pl.when(s == gate_up_steps - 1)
         def _swiglu():
+          plgpu.wgmma_wait(0)
           gate = acc_gate[...]
           h_smem[...] = (gate * jax.nn.sigmoid(gate) * acc_up[...]).astype(h_smem.dtype)
           plgpu.commit_smem()
@@ -134,9 +137,9 @@ def swiglu_mlp_gpu(x, w_stream, residual, *, stages: int = 7, interpret: bool = 
           step, grid=(steps,), memory_registers=40,
           in_specs=[plgpu.BlockSpec((ROWS, BLOCK),
                                     lambda s: (0, jnp.minimum(s, gate_up_steps - 1)),
-                                    transforms=_transforms(BLOCK, itemsize)),
+                                    transforms=_transforms(BLOCK, itemsize), delay_release=1),
                     plgpu.BlockSpec((BLOCK, TILE_COLS), lambda s: (s, 0),
-                                    transforms=_transforms(BLOCK, itemsize))],
+                                    transforms=_transforms(BLOCK, itemsize), delay_release=1)],
           wg_axis="wg", num_compute_wgs=1, max_concurrent_steps=stages,
           compute_context=compute_context)
       pipeline(x_gmem, w_gmem.at[p])
