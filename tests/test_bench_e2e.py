@@ -3,6 +3,7 @@
 import json
 
 import pytest
+from conftest import xla_flags
 
 
 def test_bench_e2e_smoke_schema(tmp_path):
@@ -49,8 +50,7 @@ def test_bench_e2e_shards_the_step_over_a_mesh(tmp_path):
           f"--out_dir={tmp_path}", "--batches=2", "--gammas=2", "--repeats=1", "--budget=32",
           "--n_sink=4", "--n_window=8", "--m=8", f"--tau_json={tau}", "--methods=vanilla,dustin",
           "--phase_batches=none", "--mesh_model=4", "--json_name=mesh4.json"]
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
-             JAX_PLATFORMS="cpu")
+  env = dict(os.environ, XLA_FLAGS=xla_flags(4), JAX_PLATFORMS="cpu")
   p = subprocess.run(argv, capture_output=True, text=True, timeout=600, env=env)
   assert p.returncode == 0, p.stderr[-2000:]
   assert (tmp_path / "mesh4.png").exists() and not (tmp_path / "e2e.json").exists()

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+from conftest import xla_flags
 
 
 # a subprocess that compiles and profiles both steps twice over a mesh: ~1 min on 2 cores
@@ -13,8 +14,7 @@ import pytest
 def test_trace_step_profiles_both_steps_over_a_mesh(tmp_path):
   argv = [sys.executable, "-m", "scripts.trace_step", "--smoke", "--mesh_model=2",
           f"--out_dir={tmp_path}", "--asrun_steps=2", "--steps=1"]
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
-             JAX_PLATFORMS="cpu")
+  env = dict(os.environ, XLA_FLAGS=xla_flags(2), JAX_PLATFORMS="cpu")
   p = subprocess.run(argv, capture_output=True, text=True, timeout=600, env=env)
   assert p.returncode == 0, p.stderr[-2000:]
   out = json.loads((tmp_path / "trace_step.json").read_text())

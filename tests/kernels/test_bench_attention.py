@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 
+from conftest import xla_flags
+
 REQUIRED = {"kernel", "model", "batch", "context", "budget", "ms", "bytes",
             "bw_share", "speedup_vs_decode_attention", "device", "jax_version",
             "copy_bw_tbs"}
@@ -13,7 +15,7 @@ REQUIRED = {"kernel", "model", "batch", "context", "budget", "ms", "bytes",
 def test_bench_smoke(tmp_path):
   root = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
   env = dict(os.environ, PYTHONPATH=root, JAX_PLATFORMS="cpu")
-  env.pop("XLA_FLAGS", None)
+  env["XLA_FLAGS"] = xla_flags()  # one CPU device
   proc = subprocess.run(
       [sys.executable, "-m", "scripts.bench_attention", "--smoke",
        f"--out_dir={tmp_path}"], cwd=root, env=env, capture_output=True,
@@ -45,7 +47,7 @@ def test_budget_shapes_choose_where_every_budget_runs(tmp_path):
   elsewhere (here: the smoke run's only shape) it runs one."""
   root = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
   env = dict(os.environ, PYTHONPATH=root, JAX_PLATFORMS="cpu")
-  env.pop("XLA_FLAGS", None)
+  env["XLA_FLAGS"] = xla_flags()  # one CPU device
   proc = subprocess.run(
       [sys.executable, "-m", "scripts.bench_attention", "--smoke", "--kernels=sparse",
        "--budget_shapes=4096:4", "--compile_cache=", f"--out_dir={tmp_path}"], cwd=root,
