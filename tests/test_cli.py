@@ -2,13 +2,17 @@
 
 Every problem a user can cause is one `error: ...` line on stderr naming the
 input and the fix, exit status 1, and (but for file contents found while
-loading) comes before any model is loaded. Each CLI case is a subprocess
-(seconds: they fail before loading); message-only cases of the same code
-path run in-process.
+loading) comes before any model is loaded. Each CLI case is a process of
+its own: the runs that decode are `python -m scripts.decode`; the refusals
+are forks of one process that has imported the CLI (importing it takes
+seconds per process on 2 cores; a refusal, well under one), each checked for
+its exit status and everything on stdout and stderr, import included.
+Message-only cases of the same code path run in-process.
 """
 
 import json
 import os
+import select
 import shutil
 import subprocess
 import sys
@@ -38,16 +42,108 @@ def _run_cli(*args, config="configs/tiny.py"):
   return subprocess.run(cmd + list(args), capture_output=True, text=True, timeout=600)
 
 
-def _cli(*overrides, config="configs/tiny.py"):
+# A process that imports scripts.decode once (what it prints doing so is
+# kept), then per request forks a child that runs the CLI as `python -m`
+# would (argv[0] the script, app.run with its flag parser, SystemExit and
+# uncaught exceptions turned into the exit status and stderr the interpreter
+# gives, atexit handlers run) and answers with its exit status and output.
+_FORK_SERVER = r"""
+import atexit, json, os, sys, tempfile, traceback
+channel = os.fdopen(os.dup(1), "w")
+def captured(files):
+  os.dup2(files[0].fileno(), 1)
+  os.dup2(files[1].fileno(), 2)
+def text(f):
+  f.seek(0)
+  return f.read().decode("utf-8", "replace")
+imported = [tempfile.TemporaryFile() for _ in range(2)]
+captured(imported)
+from absl import app
+import scripts.decode as cli
+sys.stdout.flush()
+sys.stderr.flush()
+before = [text(f) for f in imported]
+for line in sys.stdin:
+  files = [tempfile.TemporaryFile() for _ in range(2)]
+  pid = os.fork()
+  if pid == 0:
+    code = 1
+    try:
+      captured(files)
+      sys.argv = [cli.__file__] + json.loads(line)
+      try:
+        app.run(cli.main, flags_parser=cli.parse_flags)
+        code = 0
+      except SystemExit as e:
+        if e.code is None or isinstance(e.code, int):
+          code = e.code or 0
+        else:
+          print(e.code, file=sys.stderr)
+      except BaseException:
+        traceback.print_exc()
+      atexit._run_exitfuncs()
+    finally:
+      sys.stdout.flush()
+      sys.stderr.flush()
+      os._exit(code)
+  _, status = os.waitpid(pid, 0)
+  out, err = (b + text(f) for b, f in zip(before, files))
+  channel.write(json.dumps(dict(returncode=os.waitstatus_to_exitcode(status), stdout=out,
+                                stderr=err)) + "\n")
+  channel.flush()
+"""
+
+
+class _ForkedCLI:
+  """scripts.decode runs forked from one process (`_FORK_SERVER`)."""
+
+  def __init__(self):
+    self.proc = None
+
+  def __call__(self, argv, timeout=600) -> subprocess.CompletedProcess:
+    if self.proc is None:
+      self.proc = subprocess.Popen([sys.executable, "-c", _FORK_SERVER], stdin=subprocess.PIPE,
+                                   stdout=subprocess.PIPE, text=True)
+    self.proc.stdin.write(json.dumps(argv) + "\n")
+    self.proc.stdin.flush()
+    if not select.select([self.proc.stdout], [], [], timeout)[0]:
+      self.close()
+      raise subprocess.TimeoutExpired(argv, timeout)
+    line = self.proc.stdout.readline()
+    assert line, f"the fork server exited with status {self.proc.wait()}"
+    r = json.loads(line)
+    return subprocess.CompletedProcess(argv, r["returncode"], r["stdout"], r["stderr"])
+
+  def close(self):
+    if self.proc is not None:
+      self.proc.kill()
+      self.proc.wait()
+      self.proc = None
+
+
+_forked = _ForkedCLI()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _close_the_fork_server():
+  yield
+  _forked.close()
+
+
+def _forked_cli(*args, config="configs/tiny.py"):
+  return _forked(([f"--config={config}"] if config else []) + list(args))
+
+
+def _cli(*overrides, config="configs/tiny.py", run=_forked_cli):
   """(exit status, last stderr line) of a run of scripts.decode."""
-  p = _run_cli(*overrides, config=config)
+  p = run(*overrides, config=config)
   return p.returncode, p.stderr.strip().splitlines()[-1] if p.stderr.strip() else ""
 
 
 def _refused(*overrides, config="configs/tiny.py"):
   """The one error line of a run that must fail: stderr holds nothing else
   (no traceback), the exit status is 1."""
-  p = _run_cli(*overrides, config=config)
+  p = _forked_cli(*overrides, config=config)
   lines = p.stderr.strip().splitlines()
   assert p.returncode == 1 and len(lines) == 1 and lines[0].startswith("error: "), p.stderr
   assert "=== stats ===" not in p.stdout  # nothing was decoded
@@ -148,7 +244,7 @@ def test_xla_flags_reach_xla(tmp_path):
   dump = tmp_path / "dump"
   code, last = _cli(f"--config.xla_flags=--xla_dump_to={dump}", "--config.method=vanilla",
                     "--config.max_new_tokens=2",
-                    "--config.progress=False")
+                    "--config.progress=False", run=_run_cli)
   assert code == 0, last
   assert any(f.name.endswith(".txt") for f in dump.iterdir())  # XLA dumped the programs
 
@@ -376,13 +472,15 @@ def test_compile_cache_setting_places_or_turns_off_the_cache(tmp_path):
   """--config.compile_cache: a directory keeps the run's compiled programs
   there (and the run says so), '' keeps none and says 'off'."""
   where = tmp_path / "xla"
-  p = _run_cli(f"--config.compile_cache={where}", "--config.progress=False")
+  # plain decoding of 2 tokens: fewer programs to compile, the same cache setting
+  short = ("--config.method=vanilla", "--config.max_new_tokens=2", "--config.progress=False")
+  p = _run_cli(f"--config.compile_cache={where}", *short)
   assert p.returncode == 0, p.stderr[-2000:]
   assert f"(compilation cache: {where})" in p.stdout
   assert len(list(where.iterdir())) > 0  # the programs of the run
   env = dict(os.environ, DUSTIN_JAX_CACHE=str(tmp_path / "root"))
   off = subprocess.run([sys.executable, "-m", "scripts.decode", "--config=configs/tiny.py",
-                        "--config.compile_cache=", "--config.progress=False"],
+                        "--config.compile_cache=", *short],
                        capture_output=True, text=True, timeout=600, env=env)
   assert off.returncode == 0, off.stderr[-2000:]
   assert "(compilation cache: off)" in off.stdout
