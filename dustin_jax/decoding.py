@@ -29,6 +29,14 @@ class Model(NamedTuple):
   graphdef: nnx.GraphDef
   state: nnx.State
 
+  def with_folded_norms(self) -> "Model":
+    """This model with each layer's RMSNorm weights multiplied into the
+    projections they feed (`Decoder.fold_norm_weights`): the decode-time
+    layout; checkpoints and the offline profiling keep the weights apart."""
+    module = nnx.merge(self.graphdef, self.state)
+    module.fold_norm_weights()
+    return Model(self.cfg, *nnx.split(module))
+
   def with_streamed_mlps(self) -> "Model":
     """This model with each MLP kept in the layout of the one-kernel MLP
     (`Decoder.stream_mlps`)."""

@@ -185,7 +185,8 @@ def model_config(m, c, role: str = "model") -> ModelConfig:
 def load_model(m, c, role: str, mesh=None) -> tuple[Model, str | None]:
   """(Model, path the tokenizer comes from or None), sharded over `mesh`
   with KV heads replicated where the model axis needs it (the draft: whole
-  on every device, `sharding.draft_mesh`)."""
+  on every device, `sharding.draft_mesh`), its norm weights folded into the
+  projections (`Model.with_folded_norms`)."""
   if role == "draft":
     mesh = sharding.draft_mesh(mesh)
   layers = m.num_layers or None
@@ -199,7 +200,7 @@ def load_model(m, c, role: str, mesh=None) -> tuple[Model, str | None]:
                                                    mesh=mesh)
   if mesh is not None:
     cfg, graphdef, state = weights.place_model(cfg, graphdef, state, mesh)
-  return Model(cfg, graphdef, state), path
+  return Model(cfg, graphdef, state).with_folded_norms(), path
 
 
 def check_checkpoint(m, c, cfg: ModelConfig) -> None:

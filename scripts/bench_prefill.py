@@ -151,7 +151,7 @@ def load_real_pair():
   """(target, draft) Models of the offline Qwen2.5-Coder 1.5B / 0.5B GGUF
   files, f32."""
   target, draft = (Model(*weights.load_gguf_checkpoint(str(ensure_model(name, progress=False))))
-                   for name in (REAL_TARGET, REAL_DRAFT))
+                   .with_folded_norms() for name in (REAL_TARGET, REAL_DRAFT))
   return target, draft, f"{REAL_TARGET}+{REAL_DRAFT.split('-')[-2]}"
 
 

@@ -204,11 +204,12 @@ def benchmark_pairs(smoke: bool) -> dict:
 
 def random_model(cfg, seed: int, mesh=None):
   """A Model with random weights of `cfg`'s shapes, made in their shards over
-  `mesh` (KV heads replicated where the model axis needs it)."""
+  `mesh` (KV heads replicated where the model axis needs it), laid out as
+  the CLI decodes (`Model.with_folded_norms`)."""
   graphdef, state = random_params(cfg, seed=seed, mesh=mesh)
   if mesh is not None:
     cfg, graphdef, state = place_model(cfg, graphdef, state, mesh)
-  return Model(cfg, graphdef, state)
+  return Model(cfg, graphdef, state).with_folded_norms()
 
 
 def random_cache(cfg: ModelConfig, batch: int, max_len: int, context: int, seed: int,

@@ -42,10 +42,19 @@ def hf_logits(hf_model, tokens):
     return hf_model(torch.tensor(np.asarray(tokens), dtype=torch.long)).logits.numpy()
 
 
+@pytest.mark.parametrize("folded", [False, True])
 @pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen"])
-def test_logits_match_transformers(fixture, request, rng):
+def test_logits_match_transformers(fixture, folded, request, rng):
+  """Also as the CLI decodes: the layers' norm weights folded into q/k/v and
+  gate/up (the checkpoints' norms are not all ones)."""
   path, hf = request.getfixturevalue(fixture)
   model = load(path)
+  if folded:
+    model = model.with_folded_norms()
+    from flax import nnx
+    layers = nnx.merge(model.graphdef, model.state).layers
+    assert all(l.input_layernorm.weight is None and l.post_attention_layernorm.weight is None
+               for l in layers)
   tokens = rng.integers(0, model.cfg.vocab_size, size=(2, 37))
   ours = chunked_logits(model, tokens, chunk=16)  # a prompt longer than one chunk
   ref = hf_logits(hf, tokens)
@@ -72,8 +81,9 @@ def test_bf16_close_to_f32(tiny_qwen, rng):
   path, _ = tiny_qwen
   tokens = rng.integers(0, 97, size=(1, 20))
   f32 = chunked_logits(load(path, "float32"), tokens, chunk=8)
-  bf16 = chunked_logits(load(path, "bfloat16"), tokens, chunk=8)
-  assert np.max(np.abs(f32 - bf16)) < 0.1 * np.max(np.abs(f32))
+  for bf16_model in (load(path, "bfloat16"), load(path, "bfloat16").with_folded_norms()):
+    bf16 = chunked_logits(bf16_model, tokens, chunk=8)
+    assert np.max(np.abs(f32 - bf16)) < 0.1 * np.max(np.abs(f32))
 
 
 def test_prefill_then_steps_equals_one_forward(tiny_llama, rng):
