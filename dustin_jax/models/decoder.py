@@ -142,7 +142,10 @@ class RMSNorm(nnx.Module):
     own Triton GEMMs, not hand to cuBLAS (at a verify's 80 rows the 7B's
     q/k/v GEMM takes 12 us with the scale folded and 16 us with it in the
     prologue; `results/h200/README.md`). The product is rounded once, per
-    weight, instead of per token: the same precision, other roundings."""
+    weight, instead of per token: the same precision, other roundings.
+    A norm already folded has nothing left to fold."""
+    if self.weight is None:
+      return
     linear.kernel = nnx.Param(_scale_rows(self.weight[...], linear.kernel[...]))
     self.weight = None
 
