@@ -6,17 +6,15 @@ import jax
 import jax.numpy as jnp
 
 from kernels import common
-from kernels.swiglu_mlp.gpu import (MAX_ROWS, SMEM_BYTES, padded_rows, smem_bytes,
-                                    swiglu_mlp_gpu)
-from kernels.swiglu_mlp.reference import BLOCK, TILE_ROWS, swiglu_mlp_reference
+from kernels.swiglu_mlp.gpu import ROWS, SMEM_BYTES, smem_bytes, swiglu_mlp_gpu
+from kernels.swiglu_mlp.reference import BLOCK, TILE_COLS, swiglu_mlp_reference
 
 
 def fits(m: int, d: int, dtype, stages: int = 7) -> bool:
   """Whether the kernel takes x [m, d] (rows, D, dtype, shared memory)."""
-  return (1 <= m <= MAX_ROWS and d % TILE_ROWS == 0
+  return (1 <= m <= ROWS and d % TILE_COLS == 0
           and jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-          and smem_bytes(rows=padded_rows(m), itemsize=jnp.dtype(dtype).itemsize,
-                         stages=stages) <= SMEM_BYTES)
+          and smem_bytes(itemsize=jnp.dtype(dtype).itemsize, stages=stages) <= SMEM_BYTES)
 
 
 def swiglu_mlp(x, w_stream, residual, *, impl: str = "auto", stages: int = 7,
@@ -30,10 +28,10 @@ def swiglu_mlp(x, w_stream, residual, *, impl: str = "auto", stages: int = 7,
   if x.ndim != 2 or residual.shape != x.shape:
     raise ValueError(f"x and residual must both be [M, D], got {x.shape} and {residual.shape}")
   m, d = x.shape
-  if (w_stream.ndim != 3 or w_stream.shape[1:] != (TILE_ROWS * (d // BLOCK + d // TILE_ROWS),
-                                                   BLOCK)):
+  if (w_stream.ndim != 3 or w_stream.shape[1:] != (BLOCK * (d // BLOCK + d // TILE_COLS),
+                                                   TILE_COLS)):
     raise ValueError(f"w_stream must be stream_layout's [F / {BLOCK}, "
-                     f"{TILE_ROWS * (d // BLOCK + d // TILE_ROWS)}, {BLOCK}] for D = {d}, "
+                     f"{BLOCK * (d // BLOCK + d // TILE_COLS)}, {TILE_COLS}] for D = {d}, "
                      f"got {w_stream.shape}")
   if x.dtype != w_stream.dtype:
     raise ValueError(f"x and w_stream must have one dtype, got {x.dtype} and {w_stream.dtype}")
@@ -45,12 +43,11 @@ def swiglu_mlp(x, w_stream, residual, *, impl: str = "auto", stages: int = 7,
   if x.dtype not in (jnp.bfloat16, jnp.float16):
     raise ValueError(f"the kernel takes bf16 or f16 x and w_stream, got {x.dtype}")
   if not fits(m, d, x.dtype, stages):
-    need = smem_bytes(rows=padded_rows(min(m, MAX_ROWS)), itemsize=x.dtype.itemsize,
-                      stages=stages)
-    raise ValueError(f"the kernel takes 1..{MAX_ROWS} rows and D a multiple of {TILE_ROWS} with "
+    need = smem_bytes(itemsize=x.dtype.itemsize, stages=stages)
+    raise ValueError(f"the kernel takes 1..{ROWS} rows and D a multiple of {TILE_COLS} with "
                      f"{stages} x and weight tiles in {SMEM_BYTES} B of shared memory "
                      f"({need} B needed), got [M, D] = {x.shape}")
-  pad = ((0, padded_rows(m) - m), (0, 0))
+  pad = ((0, common.round_up(m, 8) - m), (0, 0))  # TMA stores rows in tiles of 8
   out = swiglu_mlp_gpu(jnp.pad(x, pad), w_stream, jnp.pad(residual, pad), stages=stages,
                        interpret=interpret)
   return out[:m]
