@@ -196,3 +196,44 @@ def test_shared_layer_function_is_inlined(tiny_llama):
   lowered = jax.jit(forward).lower(model.state, cache, jnp.zeros((2, 3), jnp.int32))
   assert lowered.as_text().count("call @_block(") == model.cfg.num_layers  # one per layer
   assert " call(" not in lowered.compile().as_text()
+
+
+def test_folded_norms_scale_the_products_so_the_gemms_read_the_residual():
+  """With a norm's weight folded into its projection the norm is a row
+  scale applied to the q/k/v and gate/up products: those GEMMs take the
+  residual stream itself (no normalising kernel before them), and the layer
+  computes what the unfolded layer computes."""
+  import jax
+  from flax import nnx
+  from dustin_jax.config import ModelConfig, RopeConfig
+  from dustin_jax.models.decoder import Block, rope_tables
+
+  cfg = ModelConfig(model_type="qwen2", vocab_size=32, hidden_size=64, intermediate_size=96,
+                    num_layers=1, num_heads=4, num_kv_heads=2, head_dim=16,
+                    rope=RopeConfig(theta=1e4), qkv_bias=True, dtype="float32")
+  block = Block(cfg, jnp.float32, nnx.Rngs(0))
+  for norm in (block.input_layernorm, block.post_attention_layernorm):
+    norm.weight = nnx.Param(1 + 0.5 * jax.random.normal(jax.random.key(1), (64,)))
+  x = jax.random.normal(jax.random.key(2), (2, 3, 64))
+  cos, sin = rope_tables(cfg, jnp.arange(6).reshape(2, 3))
+  attn = jax.random.normal(jax.random.key(3), (2, 3, 4, 16))
+  want_qkv, want_out = block.qkv(x, cos, sin), block.finish(x, attn)
+  assert block.attention_input(x)[1] is None
+
+  block.input_layernorm.fold_into(block.self_attn.qkv_proj)
+  block.post_attention_layernorm.fold_into(block.mlp.gate_up_proj)
+  x_in, row_scale = block.attention_input(x)
+  assert x_in is x
+  np.testing.assert_allclose(row_scale[..., 0], 1 / np.sqrt(np.mean(np.asarray(x) ** 2, -1) + 1e-6),
+                             rtol=1e-5)
+  for got, want in zip(block.qkv(x, cos, sin), want_qkv):
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+  np.testing.assert_allclose(block.finish(x, attn), want_out, rtol=1e-4, atol=1e-5)
+
+  def dot_inputs(fn, *args):
+    jaxpr = jax.make_jaxpr(fn)(*args).jaxpr
+    return jaxpr.invars, [e.invars[0] for e in jaxpr.eqns if e.primitive.name == "dot_general"]
+  invars, lhs = dot_inputs(lambda x: block.qkv(x, cos, sin), x)
+  assert lhs == [invars[0]]  # the q/k/v GEMM reads x
+  invars, lhs = dot_inputs(lambda r: block.mlp.add_to(r, block.post_attention_layernorm), x)
+  assert lhs[0] == invars[0]  # the gate/up GEMM reads the residual
