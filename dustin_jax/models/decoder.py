@@ -120,14 +120,6 @@ class Linear(nnx.Module):
     y = jnp.dot(x, self.kernel[...], preferred_element_type=jnp.float32)
     return (y + self.bias[...].astype(jnp.float32)).astype(x.dtype)
 
-  def scaled(self, x: jax.Array, row_scale: jax.Array) -> jax.Array:
-    """`self(x * row_scale)` for f32 scales [..., 1] of x's rows, the scale
-    applied to the f32 product."""
-    y = jnp.dot(x, self.kernel[...], preferred_element_type=jnp.float32) * row_scale
-    if self.bias is not None:
-      y = y + self.bias[...].astype(jnp.float32)
-    return y.astype(x.dtype)
-
 
 class RMSNorm(nnx.Module):
 
@@ -135,13 +127,9 @@ class RMSNorm(nnx.Module):
     self.weight = nnx.Param(jnp.ones((dim,), dtype))  # None once folded (`fold_into`)
     self.eps = eps
 
-  def row_scale(self, x: jax.Array) -> jax.Array:
-    """rsqrt(mean(x^2) + eps) per row of x, f32 [..., 1]."""
-    xf = x.astype(jnp.float32)
-    return jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
-
   def __call__(self, x: jax.Array) -> jax.Array:
-    xf = x.astype(jnp.float32) * self.row_scale(x)
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
     if self.weight is None:
       return xf.astype(x.dtype)
     return self.weight[...] * xf.astype(x.dtype)
@@ -219,20 +207,17 @@ class Attention(nnx.Module):
                            dtype=dtype, rngs=rngs)
     self.o_proj = Linear(cfg.num_heads * hd, d, bias=cfg.o_bias, dtype=dtype, rngs=rngs)
 
-  def packed_qkv(self, x, row_scale=None):
-    """The projection of normed `x` [B, T, d] (or of `x * row_scale`) as
-    [B, T, Hkv, G + 2, D]: per KV head its G query heads, then k, then v
-    (before rope)."""
+  def packed_qkv(self, x):
+    """The projection of normed `x` [B, T, d] as [B, T, Hkv, G + 2, D]: per
+    KV head its G query heads, then k, then v (before rope)."""
     b, t, _ = x.shape
     g = self.num_kv_heads
-    y = self.qkv_proj(x) if row_scale is None else self.qkv_proj.scaled(x, row_scale)
-    return y.reshape(b, t, g, self.num_heads // g + 2, self.head_dim)
+    return self.qkv_proj(x).reshape(b, t, g, self.num_heads // g + 2, self.head_dim)
 
-  def qkv(self, x, cos=None, sin=None, row_scale=None):
+  def qkv(self, x, cos=None, sin=None):
     """Queries [B, T, Hq, D], keys and values [B, T, Hkv, D] of normed `x`
-    [B, T, d] (or of `x * row_scale`), q and k after rope (before it
-    without cos, sin)."""
-    qkv = self.packed_qkv(x, row_scale)
+    [B, T, d], q and k after rope (before it without cos, sin)."""
+    qkv = self.packed_qkv(x)
     r = qkv.shape[3] - 2
     q = qkv[:, :, :, :r].reshape(*qkv.shape[:2], self.num_heads, self.head_dim)
     k, v = qkv[:, :, :, r], qkv[:, :, :, r + 1]
@@ -261,26 +246,15 @@ class MLP(nnx.Module):
                                                      self.down_proj.kernel[...])))
     self.gate_up_proj = self.down_proj = None
 
-  def __call__(self, x, row_scale=None):
-    """The MLP of `x` [..., d] (of `x * row_scale`: f32 scales [..., 1] of
-    x's rows, applied to the gate and up products in f32)."""
+  def __call__(self, x):
     gate_up = self.gate_up_proj(x).reshape(x.shape[:-1] + (-1, 2))
-    gate, up = gate_up[..., 0], gate_up[..., 1]
-    if row_scale is not None:
-      gate, up = gate.astype(jnp.float32) * row_scale, up.astype(jnp.float32) * row_scale
-    return self.down_proj((jax.nn.silu(gate) * up).astype(x.dtype))
+    return self.down_proj(jax.nn.silu(gate_up[..., 0]) * gate_up[..., 1])
 
-  def add_to(self, residual, norm, impl="auto"):
-    """`residual + self(norm(residual))`. With streamed weights one kernel
-    (the sum in f32, rounded once), its reference beyond the kernel's row
-    count. Else, with the norm's weight folded into gate/up, the norm is a
-    row scale applied to the products, so the GEMM reads the residual
-    itself and the scale's reduction runs beside it."""
+  def add_to(self, residual, x, impl="auto"):
+    """`residual + self(x)`; with streamed weights one kernel (the sum in
+    f32, rounded once), its reference beyond the kernel's row count."""
     if self.streamed is None:
-      if norm.weight is None:
-        return residual + self(residual, norm.row_scale(residual))
-      return residual + self(norm(residual))
-    x = norm(residual)
+      return residual + self(x)
     rows = x.reshape(-1, x.shape[-1])
     if not swiglu_mlp_ops.fits(*rows.shape, rows.dtype):
       impl = "reference"
@@ -300,27 +274,15 @@ class Block(nnx.Module):
   # The step (`__call__`) and the layer-major prefill (`models/prefill.py`)
   # share the per-token halves of a layer: `qkv` before the attention and
   # `finish` after it; only the attention between them differs.
-  def attention_input(self, x):
-    """(input, row scale) of the q/k/v projection for the residual stream
-    `x`: with the norm's weight folded into the projection the norm is a
-    row scale, applied to the product, so the GEMM reads `x` itself and
-    the scale's reduction runs beside it rather than before it; else the
-    normed `x` and no scale."""
-    norm = self.input_layernorm
-    if norm.weight is None:
-      return x, norm.row_scale(x)
-    return norm(x), None
-
   def qkv(self, x, cos, sin):
     """(q, k, v) of the residual stream `x` [B, T, d] (see Attention.qkv)."""
-    x_in, row_scale = self.attention_input(x)
-    return self.self_attn.qkv(x_in, cos, sin, row_scale=row_scale)
+    return self.self_attn.qkv(self.input_layernorm(x), cos, sin)
 
   def finish(self, x, attn, impl="auto"):
     """The residual stream after this layer, from its input `x` [B, T, d]
     and the attention output `attn` [B, T, Hq, D]."""
     x = x + self.self_attn.out(attn)
-    return self.mlp.add_to(x, self.post_attention_layernorm, impl)
+    return self.mlp.add_to(x, self.post_attention_layernorm(x), impl)
 
   def __call__(self, x, cos, sin, k_cache, v_cache, lengths, kv_indices, impl, mesh,
                window=None):
@@ -336,7 +298,7 @@ class Block(nnx.Module):
     """The layer over a subset of the cache (a streaming draft's window or a
     sparse verification's rows): the attention is one kernel
     (`packed_attention`) fed by the packed q/k/v projection."""
-    qkv = self.self_attn.packed_qkv(*self.attention_input(x))
+    qkv = self.self_attn.packed_qkv(self.input_layernorm(x))
     out, k_cache, v_cache = packed_attention(qkv, k_cache, v_cache, lengths, cos, sin, impl,
                                              mesh, window=window, kv_indices=kv_indices)
     # the roped queries only where a caller taps them (XLA drops them elsewhere)
