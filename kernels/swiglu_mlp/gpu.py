@@ -24,7 +24,9 @@ row only, and only the first M rows are stored).
   * steps D/64 .. : one [64 F rows x 128 D columns] tile of down, two
     WGMMAs h @ tile (64 columns each), each half stored through its own
     shared-memory slot by a TMA reduce-add into those columns of the f32
-    output (in interpret mode, which has no TMA reductions, into program
+    output. Program p takes the down tiles from column tile p (mod D/128)
+    on, so that the programs, which reach their down steps together, add
+    into different columns at a time (in interpret mode, which has no TMA reductions, into program
     p's own partial, summed by XLA). The x tile of these steps is the
     last one again (read from L2; the pipeline's specs are per step).
 
@@ -78,10 +80,14 @@ def swiglu_mlp_gpu(x, w_stream, residual, *, stages: int = 7, interpret: bool = 
   programs = w_stream.shape[0]
   itemsize = jnp.dtype(x.dtype).itemsize
   gate_up_steps = d // BLOCK
-  steps = gate_up_steps + d // TILE_COLS
+  down_steps = d // TILE_COLS
+  steps = gate_up_steps + down_steps
 
   def body(x_gmem, w_gmem, out_gmem):
     p = lax.axis_index("p")
+
+    def down_tile(s):  # program p's down steps from column tile p on
+      return (s - gate_up_steps + p) % down_steps
     out_block = out_gmem.at[p] if interpret else out_gmem
 
     def scope(h_smem, out_smem):
@@ -114,7 +120,7 @@ def swiglu_mlp_gpu(x, w_stream, residual, *, stages: int = 7, interpret: bool = 
 
         @pl.when(s >= gate_up_steps)
         def _down():
-          first = (s - gate_up_steps) * TILE_COLS
+          first = down_tile(s) * TILE_COLS
 
           def columns(acc_lo, acc_hi):
             plgpu.wgmma(acc_lo, h_smem, w_smem.at[:, pl.ds(0, BLOCK)])
@@ -138,7 +144,9 @@ def swiglu_mlp_gpu(x, w_stream, residual, *, stages: int = 7, interpret: bool = 
           in_specs=[plgpu.BlockSpec((ROWS, BLOCK),
                                     lambda s: (0, jnp.minimum(s, gate_up_steps - 1)),
                                     transforms=_transforms(BLOCK, itemsize), delay_release=1),
-                    plgpu.BlockSpec((BLOCK, TILE_COLS), lambda s: (s, 0),
+                    plgpu.BlockSpec((BLOCK, TILE_COLS),
+                                    lambda s: (jnp.where(s < gate_up_steps, s,
+                                                         gate_up_steps + down_tile(s)), 0),
                                     transforms=_transforms(BLOCK, itemsize), delay_release=1)],
           wg_axis="wg", num_compute_wgs=1, max_concurrent_steps=stages,
           compute_context=compute_context)
