@@ -24,11 +24,12 @@ row only, and only the first M rows are stored).
   * steps D/64 .. : one [64 F rows x 128 D columns] tile of down, two
     WGMMAs h @ tile (64 columns each), each half stored through its own
     shared-memory slot by a TMA reduce-add into those columns of the f32
-    output. Program p takes the down tiles from column tile p (mod D/128)
-    on, so that the programs, which reach their down steps together, add
-    into different columns at a time (in interpret mode, which has no TMA reductions, into program
-    p's own partial, summed by XLA). The x tile of these steps is the
-    last one again (read from L2; the pipeline's specs are per step).
+    output (in interpret mode, which has no TMA reductions, into program
+    p's own partial, summed by XLA). Program p takes the down tiles from
+    column tile p (mod D/128) on, so that the programs, which reach their
+    down steps together, add into different columns at a time. The x tile
+    of these steps is the last one again (read from L2; the pipeline's
+    specs are per step).
 
 Shared memory: stages x (64 x 64 + 64 x 128) x itemsize (x and weight
 slots) + 64 x 64 x itemsize (h) + 2 x 64 x 64 x 4 (the output slots) must
