@@ -1,0 +1,177 @@
+"""Mosaic GPU kernel of ``swiglu_mlp`` for Hopper (TMA, WGMMA, warp
+specialisation, TMA reductions).
+
+Why: at a draft pass's 16 rows XLA runs a layer's MLP as three kernels (the
+gate/up GEMM, silu * up, the down GEMM split over K) whose split partials the
+next kernel sums with the residual; each is a few microseconds of launch,
+first-tile latency and drain around ~1-4 us of weight bytes. Here one kernel
+streams both matrices back to back, so the down matrix's tiles are in flight
+while the gate/up product finishes, and the down products are summed into the
+residual by the TMA unit (reduce-add stores into an f32 buffer that holds the
+residual), not by another kernel.
+
+Program p owns F block p (`reference.BLOCK` = 64 rows of F) and streams
+row block p of the packed weights (`reference.stream_layout`) through
+`stages` shared-memory slots: a TMA-only warpgroup fills them, a WGMMA
+warpgroup empties them. A program's time is its ~344 KB (0.5B) over the
+bytes it keeps in flight, so shared memory goes to weight slots: x comes
+tile by tile beside them, as WGMMA's 64-row operand read from the M rows of
+x (TMA fills the rows past M with zeros; an output row depends on its own x
+row only, and only the first M rows are stored).
+  * steps 0 .. D/64 - 1: x[:, 64 columns] and one [64 x (64 gate | 64 up)]
+    tile, two WGMMAs into the gate and up accumulators; after the last,
+    h = silu(gate) * up of the block goes to shared memory in x's dtype;
+  * steps D/64 .. : one [64 F rows x 128 D columns] tile of down, two
+    WGMMAs h @ tile (64 columns each), each half stored through its own
+    shared-memory slot by a TMA reduce-add into those columns of the f32
+    output (in interpret mode, which has no TMA reductions, into program
+    p's own partial, summed by XLA). Program p takes the down tiles from
+    column tile p (mod D/128) on, so that the programs, which reach their
+    down steps together, add into different columns at a time. The x tile
+    of these steps is the last one again (read from L2; the pipeline's
+    specs are per step).
+
+Shared memory: stages x (64 x 64 + 64 x 128) x itemsize (x and weight
+slots) + 64 x 64 x itemsize (h) + 2 x 64 x 64 x 4 (the output slots) must
+fit the SM's 227 KB: 7 stages at bf16.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from kernels.swiglu_mlp.reference import BLOCK, TILE_COLS
+
+ROWS = 64  # WGMMA's row operand per warpgroup
+SMEM_BYTES = 227 * 1024
+
+
+def interpret_params():
+  """Mosaic GPU's interpret mode (CPU tests); its parameters class is not
+  public in every jax this package supports."""
+  params = getattr(plgpu, "InterpretParams", None)
+  if params is None:
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams as params
+  return params()
+
+
+def _transforms(cols: int, itemsize: int):
+  """TMA / WGMMA tiling and swizzle of a shared-memory tile whose rows hold
+  `cols` elements."""
+  swizzle = plgpu.find_swizzle(cols * itemsize * 8)
+  return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
+
+
+def smem_bytes(*, itemsize: int, stages: int) -> int:
+  """Shared memory of one program (see the module docstring)."""
+  return (stages * (ROWS * BLOCK + BLOCK * TILE_COLS) * itemsize + ROWS * BLOCK * itemsize
+          + 2 * ROWS * BLOCK * 4)
+
+
+@functools.partial(jax.jit, static_argnames=("stages", "interpret", "sets", "down", "mma"))
+def swiglu_mlp_gpu(x, w_stream, residual, *, stages: int = 7, interpret: bool = False, sets: int = 1, down: bool = True, mma: bool = True):
+  """See ``reference.py`` for the contract; ``ops.swiglu_mlp`` checks the
+  shapes and pads the rows to a multiple of 8. Returns [M, D] f32."""
+  m, d = x.shape
+  programs = w_stream.shape[0]
+  itemsize = jnp.dtype(x.dtype).itemsize
+  gate_up_steps = d // BLOCK
+  down_steps = d // TILE_COLS
+  steps = gate_up_steps + (down_steps if down else 0)
+
+  def body(x_gmem, w_gmem, out_gmem):
+    p = lax.axis_index("p")
+
+    def down_tile(s):  # program p's down steps from column tile p on
+      return (s - gate_up_steps + p) % down_steps
+    out_block = out_gmem.at[p] if interpret else out_gmem
+
+    def scope(h_smem, out_smem):
+      def compute_context(run_pipeline):
+        def accumulators(*accs):
+          run_pipeline(accs)
+          plgpu.wait_smem_to_gmem(0)
+
+        pl.run_scoped(accumulators, *[plgpu.ACC((ROWS, BLOCK), jnp.float32) for _ in range(2 * sets)])
+
+      def step(idx, x_smem, w_smem, accs):
+        s = idx[0]
+        for k in range(sets):
+          acc_gate, acc_up = accs[2 * k], accs[2 * k + 1]
+
+          @pl.when((s < gate_up_steps) & (s % sets == k) & mma)
+          def _gate_up():
+            plgpu.wgmma(acc_gate, x_smem, w_smem.at[:, pl.ds(0, BLOCK)])
+            plgpu.wgmma(acc_up, x_smem, w_smem.at[:, pl.ds(BLOCK, BLOCK)])
+            plgpu.wgmma_wait(2)
+
+        @pl.when(s == gate_up_steps - 1)
+        def _swiglu():
+          plgpu.wgmma_wait(0)
+          gate = accs[0][...]
+          up = accs[1][...]
+          for k in range(1, sets):
+            gate = gate + accs[2 * k][...]
+            up = up + accs[2 * k + 1][...]
+          h_smem[...] = (gate * jax.nn.sigmoid(gate) * up).astype(h_smem.dtype)
+          plgpu.commit_smem()
+
+        @pl.when(s >= gate_up_steps)
+        def _down():
+          first = down_tile(s) * TILE_COLS
+
+          def columns(acc_lo, acc_hi):
+            if mma:
+              plgpu.wgmma(acc_lo, h_smem, w_smem.at[:, pl.ds(0, BLOCK)])
+              plgpu.wgmma(acc_hi, h_smem, w_smem.at[:, pl.ds(BLOCK, BLOCK)])
+            plgpu.wgmma_wait(0)
+            for half, acc in enumerate((acc_lo, acc_hi)):
+              plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # this slot's last store has read it
+              out_smem[half] = acc[...]
+              plgpu.commit_smem()
+              plgpu.copy_smem_to_gmem(out_smem.at[half, pl.ds(0, m)],
+                                      out_block.at[:, pl.ds(first + half * BLOCK, BLOCK)],
+                                      reduction_op=None if interpret else "add")
+
+          pl.run_scoped(columns, plgpu.ACC((ROWS, BLOCK), jnp.float32),
+                        plgpu.ACC((ROWS, BLOCK), jnp.float32))
+
+        return accs
+
+      pipeline = plgpu.emit_pipeline_warp_specialized(
+          step, grid=(steps,), memory_registers=40,
+          in_specs=[plgpu.BlockSpec((ROWS, BLOCK),
+                                    lambda s: (0, jnp.minimum(s, gate_up_steps - 1)),
+                                    transforms=_transforms(BLOCK, itemsize), delay_release=1),
+                    plgpu.BlockSpec((BLOCK, TILE_COLS),
+                                    lambda s: (jnp.where(s < gate_up_steps, s,
+                                                         gate_up_steps + down_tile(s)), 0),
+                                    transforms=_transforms(BLOCK, itemsize), delay_release=1)],
+          wg_axis="wg", num_compute_wgs=1, max_concurrent_steps=stages,
+          compute_context=compute_context)
+      pipeline(x_gmem, w_gmem.at[p])
+
+    pl.run_scoped(
+        scope,
+        plgpu.SMEM((ROWS, BLOCK), x.dtype, transforms=_transforms(BLOCK, itemsize)),
+        plgpu.SMEM((2, ROWS, BLOCK), jnp.float32, transforms=_transforms(BLOCK, 4)),
+        collective_axes="wg")
+
+  mesh = dict(grid=(programs,), grid_names=("p",), num_threads=2, thread_name="wg")
+  params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup)
+  if interpret:  # the x rows past M as explicit zeros, and per-program partials
+    x = jnp.pad(x, ((0, ROWS - m), (0, 0)))
+    partials = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((programs, m, d), jnp.float32),
+                            compiler_params=params, interpret=interpret_params(),
+                            **mesh)(x, w_stream)
+    return residual.astype(jnp.float32) + partials.sum(0)
+  # the residual's f32 copy is the buffer the programs add into: a Ref
+  # argument of the kernel is aliased in and out
+  out = jax.new_ref(residual.astype(jnp.float32))
+  pl.kernel(body, out_type=(), mesh=plgpu.Mesh(**mesh), compiler_params=params)(x, w_stream, out)
+  return out[...]
