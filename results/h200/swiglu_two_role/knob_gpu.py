@@ -73,8 +73,8 @@ def smem_bytes(*, itemsize: int, stages: int) -> int:
           + 2 * ROWS * BLOCK * 4)
 
 
-@functools.partial(jax.jit, static_argnames=("stages", "interpret", "sets", "down", "mma"))
-def swiglu_mlp_gpu(x, w_stream, residual, *, stages: int = 7, interpret: bool = False, sets: int = 1, down: bool = True, mma: bool = True):
+@functools.partial(jax.jit, static_argnames=("stages", "interpret", "sets", "down", "mma", "store"))
+def swiglu_mlp_gpu(x, w_stream, residual, *, stages: int = 7, interpret: bool = False, sets: int = 1, down: bool = True, mma: bool = True, store: str = "all"):
   """See ``reference.py`` for the contract; ``ops.swiglu_mlp`` checks the
   shapes and pads the rows to a multiple of 8. Returns [M, D] f32."""
   m, d = x.shape
@@ -130,13 +130,16 @@ def swiglu_mlp_gpu(x, w_stream, residual, *, stages: int = 7, interpret: bool = 
               plgpu.wgmma(acc_lo, h_smem, w_smem.at[:, pl.ds(0, BLOCK)])
               plgpu.wgmma(acc_hi, h_smem, w_smem.at[:, pl.ds(BLOCK, BLOCK)])
             plgpu.wgmma_wait(0)
+            stored = (store == "all") | (s == steps - 1)
             for half, acc in enumerate((acc_lo, acc_hi)):
-              plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # this slot's last store has read it
-              out_smem[half] = acc[...]
-              plgpu.commit_smem()
-              plgpu.copy_smem_to_gmem(out_smem.at[half, pl.ds(0, m)],
-                                      out_block.at[:, pl.ds(first + half * BLOCK, BLOCK)],
-                                      reduction_op=None if interpret else "add")
+              @pl.when(stored)
+              def _store():
+                plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # this slot's last store has read it
+                out_smem[half] = acc[...]
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(out_smem.at[half, pl.ds(0, m)],
+                                        out_block.at[:, pl.ds(first + half * BLOCK, BLOCK)],
+                                        reduction_op=None if interpret else "add")
 
           pl.run_scoped(columns, plgpu.ACC((ROWS, BLOCK), jnp.float32),
                         plgpu.ACC((ROWS, BLOCK), jnp.float32))
