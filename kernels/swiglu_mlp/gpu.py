@@ -33,10 +33,10 @@ row only, and only the first M rows are stored).
 
 Shared memory: stages x (64 x 64 + 64 x 128) x itemsize (x and weight
 slots) + 64 x 64 x itemsize (h) + 2 x 64 x 64 x 4 (the output slots) must
-fit the SM's 227 KB: up to 7 stages at bf16. The default is 6: in two
-leases on an H200, 6 slots ran the 0.5B's MLP at 16 rows in 12.1-12.4 us
-against 12.5-12.7 us with 7 (the 1B's, in the second lease, in 33.7-33.8
-against 34.2-34.3 us).
+fit the SM's 227 KB: up to 7 stages at bf16. `STAGES` = 6 is the default:
+on an H200, 6 slots run the 0.5B's MLP at 16 rows in 12.1-12.4 us against
+12.5-12.7 us with 7, and the 1B's in 33.7-33.8 against 34.2-34.3 us
+(results/h200/README.md, "six weight slots").
 """
 from __future__ import annotations
 
@@ -51,6 +51,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from kernels.swiglu_mlp.reference import BLOCK, TILE_COLS
 
 ROWS = 64  # WGMMA's row operand per warpgroup
+STAGES = 6  # weight slots in flight (see the module docstring)
 SMEM_BYTES = 227 * 1024
 
 
@@ -77,7 +78,7 @@ def smem_bytes(*, itemsize: int, stages: int) -> int:
 
 
 @functools.partial(jax.jit, static_argnames=("stages", "interpret"))
-def swiglu_mlp_gpu(x, w_stream, residual, *, stages: int = 6, interpret: bool = False):
+def swiglu_mlp_gpu(x, w_stream, residual, *, stages: int = STAGES, interpret: bool = False):
   """See ``reference.py`` for the contract; ``ops.swiglu_mlp`` checks the
   shapes and pads the rows to a multiple of 8. Returns [M, D] f32."""
   m, d = x.shape

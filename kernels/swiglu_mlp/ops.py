@@ -6,18 +6,18 @@ import jax
 import jax.numpy as jnp
 
 from kernels import common
-from kernels.swiglu_mlp.gpu import ROWS, SMEM_BYTES, smem_bytes, swiglu_mlp_gpu
+from kernels.swiglu_mlp.gpu import ROWS, SMEM_BYTES, STAGES, smem_bytes, swiglu_mlp_gpu
 from kernels.swiglu_mlp.reference import BLOCK, TILE_COLS, swiglu_mlp_reference
 
 
-def fits(m: int, d: int, dtype, stages: int = 6) -> bool:
+def fits(m: int, d: int, dtype, stages: int = STAGES) -> bool:
   """Whether the kernel takes x [m, d] (rows, D, dtype, shared memory)."""
   return (1 <= m <= ROWS and d % TILE_COLS == 0
           and jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
           and smem_bytes(itemsize=jnp.dtype(dtype).itemsize, stages=stages) <= SMEM_BYTES)
 
 
-def swiglu_mlp(x, w_stream, residual, *, impl: str = "auto", stages: int = 6,
+def swiglu_mlp(x, w_stream, residual, *, impl: str = "auto", stages: int = STAGES,
                interpret: bool = False) -> jax.Array:
   """``residual + (silu(x @ gate) * (x @ up)) @ down`` in f32 for x [M, D],
   M <= 64 rows, the weights packed by `reference.stream_layout`.
