@@ -167,3 +167,99 @@ def streamk_matmul_gpu(x, w, acc, *, programs: int, stages: int, out_slots: int 
   out = jax.new_ref(acc.astype(jnp.float32))
   pl.kernel(body, out_type=(), mesh=plgpu.Mesh(**mesh), compiler_params=params)(x, w, out)
   return out[...]
+
+
+TILE_N_T = 4 * ROWS  # output rows of a tile of the transposed form
+
+
+@functools.partial(jax.jit, static_argnames=("programs", "stages", "interpret"))
+def streamk_matmul_t_gpu(x_t, w_t, acc_t, *, programs: int, stages: int,
+                         interpret: bool = False):
+  """The transposed form: ``acc_t + w_t @ x_t`` in f32 for x_t [K, M], w_t
+  [N, K], acc_t [N, M] (M a multiple of 8, at most 256). The weight is
+  WGMMA's 64-row operand and the M rows are its N, so M needs no padding to
+  64 and a tile of 256 output columns takes 4 accumulators of [64, M]: each
+  x tile is read once per 256 weight columns instead of once per 128."""
+  m, k = x_t.shape
+  n = w_t.shape[0]
+  sched = Schedule.of(k, n, programs, tile_n=TILE_N_T)
+  blocks = TILE_N_T // ROWS
+  itemsize = jnp.dtype(x_t.dtype).itemsize
+  slots = max(len(sched.tiles_of(p)) for p in range(sched.programs))
+
+  def body(x_gmem, w_gmem, out_gmem):
+    p = lax.axis_index("p")
+
+    def unit(s):
+      return sched.start(p) + jnp.minimum(s, sched.count(p) - 1)
+
+    def scope(out_smem):
+      def compute_context(run_pipeline):
+        def accumulators(*accs):
+          run_pipeline(accs)
+          plgpu.wait_smem_to_gmem(0)
+
+        pl.run_scoped(accumulators, *[plgpu.ACC((ROWS, m), jnp.float32) for _ in range(blocks)])
+
+      def step(idx, x_smem, w_smem, accs):
+        s = idx[0]
+        live = s < sched.count(p)
+        u = unit(s)
+        tile = u // sched.k_steps
+
+        @pl.when(live)
+        def _product():
+          for b, a in enumerate(accs):
+            plgpu.wgmma(a, w_smem.at[pl.ds(b * ROWS, ROWS)], plgpu.transpose_ref(x_smem, (1, 0)))
+          plgpu.wgmma_wait(blocks)
+
+        @pl.when(live & ((u % sched.k_steps == sched.k_steps - 1)
+                         | (s == sched.count(p) - 1)))
+        def _store():
+          plgpu.wgmma_wait(0)
+          for b, a in enumerate(accs):
+            if interpret:
+              dst = out_gmem.at[p, tile - sched.start(p) // sched.k_steps, pl.ds(b * ROWS, ROWS)]
+            else:
+              dst = out_gmem.at[pl.ds(tile * TILE_N_T + b * ROWS, ROWS)]
+            plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+            out_smem[b % 2] = a[...]
+            if not interpret:
+              a[...] = jnp.zeros((ROWS, m), jnp.float32)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(out_smem.at[b % 2], dst,
+                                    reduction_op=None if interpret else "add")
+
+        return accs
+
+      pipeline = plgpu.emit_pipeline_warp_specialized(
+          step, grid=(sched.steps,), memory_registers=40,
+          in_specs=[plgpu.BlockSpec((m, TILE_K), lambda s: (0, unit(s) % sched.k_steps),
+                                    transforms=_transforms(TILE_K, itemsize), delay_release=1),
+                    plgpu.BlockSpec((TILE_N_T, TILE_K),
+                                    lambda s: (unit(s) // sched.k_steps, unit(s) % sched.k_steps),
+                                    transforms=_transforms(TILE_K, itemsize), delay_release=1)],
+          wg_axis="wg", num_compute_wgs=1, max_concurrent_steps=stages,
+          compute_context=compute_context)
+      pipeline(x_gmem, w_gmem)
+
+    pl.run_scoped(scope, plgpu.SMEM((2, ROWS, m), jnp.float32, transforms=_transforms(m, 4)),
+                  collective_axes="wg")
+
+  mesh = dict(grid=(sched.programs,), grid_names=("p",), num_threads=2, thread_name="wg")
+  params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup)
+  if interpret:
+    parts = plgpu.kernel(
+        body, out_type=jax.ShapeDtypeStruct((sched.programs, slots, TILE_N_T, m), jnp.float32),
+        compiler_params=params, interpret=interpret_params(), **mesh)(x_t, w_t)
+    parts = parts - jnp.pad(parts[:, :-1], ((0, 0), (1, 0), (0, 0), (0, 0)))
+    tile_of = np.full((sched.programs, slots), sched.n_tiles)
+    for q in range(sched.programs):
+      tiles = sched.tiles_of(q)
+      tile_of[q, :len(tiles)] = tiles
+    tiles = jnp.zeros((sched.n_tiles, TILE_N_T, m), jnp.float32).at[tile_of.reshape(-1)].add(
+        parts.reshape(-1, TILE_N_T, m), mode="drop")
+    return acc_t.astype(jnp.float32) + tiles.reshape(n, m)
+  out = jax.new_ref(acc_t.astype(jnp.float32))
+  pl.kernel(body, out_type=(), mesh=plgpu.Mesh(**mesh), compiler_params=params)(x_t, w_t, out)
+  return out[...]

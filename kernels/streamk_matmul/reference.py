@@ -32,8 +32,8 @@ class Schedule:
   programs: int
 
   @staticmethod
-  def of(k: int, n: int, programs: int) -> "Schedule":
-    n_tiles, k_steps = n // TILE_N, k // TILE_K
+  def of(k: int, n: int, programs: int, tile_n: int = TILE_N) -> "Schedule":
+    n_tiles, k_steps = n // tile_n, k // TILE_K
     return Schedule(n_tiles, k_steps, max(1, min(programs, n_tiles * k_steps)))
 
   @property

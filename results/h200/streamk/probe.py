@@ -14,6 +14,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from kernels.streamk_matmul.gpu import streamk_matmul_t_gpu  # noqa: E402
 from kernels.streamk_matmul.ops import streamk_matmul  # noqa: E402
 from kernels.streamk_matmul.reference import streamk_matmul_reference  # noqa: E402
 from scripts.benchmarking import DeviceTimer, device_events  # noqa: E402
@@ -25,6 +26,7 @@ for name, k, n in [("down", 18944, 3584), ("qkv", 3584, 4608), ("o", 3584, 3584)
   key = jax.random.key(k + n)
   ws = [(jax.random.normal(jax.random.fold_in(key, i), (k, n)) / np.sqrt(k)).astype(jnp.bfloat16)
         for i in range(L)]
+  ws_t = [w.T.copy() for w in ws] if os.environ.get("PROBE_TRANSPOSED") else ws
   for m in (80, 16):
     x0 = jax.random.normal(jax.random.key(m), (m, k)).astype(jnp.bfloat16)
     r0 = jax.random.normal(jax.random.key(m + 1), (m, n)).astype(jnp.bfloat16)
@@ -39,11 +41,18 @@ for name, k, n in [("down", 18944, 3584), ("qkv", 3584, 4608), ("o", 3584, 3584)
           lambda x, w, r, programs=programs, stages=stages, slots=slots: streamk_matmul(
               x, w, r, impl="gpu", programs=programs, stages=stages,
               out_slots=slots).astype(r.dtype))
+    if os.environ.get("PROBE_TRANSPOSED"):  # stages: the transposed form's, per row count
+      variants = {"xla": variants["xla"]}
+      for stages in ((3, 4) if m > 64 else (4, 6)):
+        variants[f"transposed_s{stages}"] = (
+            lambda x, w, r, stages=stages: streamk_matmul_t_gpu(
+                x, w, r.T, programs=132, stages=stages).T.astype(r.dtype))
     want = streamk_matmul_reference(x0, ws[0], r0)
     for vname, fn in variants.items():
       rec = dict(product=name, k=k, n=n, rows=m, variant=vname)
       try:
-        err = float(jnp.max(jnp.abs(jax.jit(fn)(x0, ws[0], r0).astype(jnp.float32) - want)))
+        wl = ws_t if vname.startswith("transposed") else ws
+        err = float(jnp.max(jnp.abs(jax.jit(fn)(x0, wl[0], r0).astype(jnp.float32) - want)))
 
         def chain(ws, x, r, fn=fn):
           for w in ws:
@@ -51,12 +60,12 @@ for name, k, n in [("down", 18944, 3584), ("qkv", 3584, 4608), ("o", 3584, 3584)
             x = x + r[:, :1]  # the next layer's input depends on this output
           return r
         run = jax.jit(chain)
-        jax.block_until_ready(run(ws, x0, r0))
-        jax.block_until_ready(run(ws, x0, r0))
+        jax.block_until_ready(run(wl, x0, r0))
+        jax.block_until_ready(run(wl, x0, r0))
         with DeviceTimer() as t:
           for _ in range(7):
             with t.window(vname):
-              jax.block_until_ready(run(ws, x0, r0))
+              jax.block_until_ready(run(wl, x0, r0))
         busy = statistics.median(t.ms(vname)) * 1e3 / L
         kernels = {}
         for e in device_events(t._ev):
