@@ -42,9 +42,10 @@ fit the SM's 227 KB: up to 7 stages at bf16. The transposed down products
 take the 0.5B's MLP at 16 rows from 12.7 to 11.2 us on an H200, 64 rows
 and the 1B's 16 unchanged within 0.7 us (results/h200/README.md, "down
 products transposed"). `STAGES` = 6 is the default:
-on an H200, 6 slots run the 0.5B's MLP at 16 rows in 12.1-12.4 us against
-12.5-12.7 us with 7, and the 1B's in 33.7-33.8 against 34.2-34.3 us
-(results/h200/README.md, "six weight slots").
+on an H200 (with the down products untransposed), 6 slots ran the 0.5B's
+MLP at 16 rows in 12.1-12.4 us against 12.5-12.7 us with 7, and the 1B's
+in 33.7-33.8 against 34.2-34.3 us (results/h200/README.md, "six weight
+slots").
 """
 from __future__ import annotations
 
