@@ -38,11 +38,11 @@ row only, and only the first M rows are stored).
 
 Shared memory: stages x (64 x 64 + 64 x 128) x itemsize (x and weight
 slots) + 64 x 64 x itemsize (h) + 2 x 64 x M x 4 (the output slots) must
-fit the SM's 227 KB: up to 7 stages at bf16. The transposed down products
-take the 0.5B's MLP at 16 rows from 12.7 to 11.2 us on an H200, 64 rows
-and the 1B's 16 unchanged within 0.7 us (results/h200/README.md, "down
-products transposed"). `STAGES` = 6 is the default:
-on an H200 (with the down products untransposed), 6 slots ran the 0.5B's
+fit the SM's 227 KB: up to 7 stages at bf16. With the down products
+transposed the 0.5B's MLP takes 11.2 us at 16 rows on an H200 against
+12.7 us for h @ tile; at 64 rows, and at the 1B's 16, the two are within
+0.7 us (results/h200/README.md, "down products transposed"). `STAGES` = 6 is the default:
+on an H200 (measured with h @ tile down products), 6 slots run the 0.5B's
 MLP at 16 rows in 12.1-12.4 us against 12.5-12.7 us with 7, and the 1B's
 in 33.7-33.8 against 34.2-34.3 us (results/h200/README.md, "six weight
 slots").
@@ -105,7 +105,7 @@ def swiglu_mlp_gpu(x, w_stream, residual, *, stages: int = STAGES, interpret: bo
       return (s - gate_up_steps + p) % down_steps
     out_block = out_gmem.at[p] if interpret else out_gmem
 
-    def scope(h_smem, out_smem, *ht_smem):
+    def scope(h_smem, out_smem, ht_smem=None):
       def compute_context(run_pipeline):
         def accumulators(acc_gate, acc_up):
           run_pipeline((acc_gate, acc_up))
@@ -133,13 +133,13 @@ def swiglu_mlp_gpu(x, w_stream, residual, *, stages: int = STAGES, interpret: bo
           h = (gate * jax.nn.sigmoid(gate) * acc_up[...]).astype(h_smem.dtype)
           h_smem[...] = h
           if interpret:  # (interpret mode takes no transposed operand)
-            ht_smem[0][...] = h.T[:, :m]
+            ht_smem[...] = h.T[:, :m]
           plgpu.commit_smem()
 
         @pl.when(s >= gate_up_steps)
         def _down():
           first = down_tile(s) * TILE_COLS
-          h_t = ht_smem[0] if interpret else plgpu.transpose_ref(h_smem.at[pl.ds(0, m)], (1, 0))
+          h_t = ht_smem if interpret else plgpu.transpose_ref(h_smem.at[pl.ds(0, m)], (1, 0))
 
           def columns(acc_lo, acc_hi):
             plgpu.wgmma(acc_lo, w_smem.at[:, pl.ds(0, BLOCK)], h_t)
