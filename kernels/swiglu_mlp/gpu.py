@@ -21,31 +21,28 @@ row only, and only the first M rows are stored).
   * steps 0 .. D/64 - 1: x[:, 64 columns] and one [64 x (64 gate | 64 up)]
     tile, two WGMMAs into the gate and up accumulators; after the last,
     h = silu(gate) * up of the block goes to shared memory in x's dtype;
-  * steps D/64 .. : one tile of down for 128 D columns, stored as two
-    transposed halves [64 D, 64 F]; two WGMMAs half @ h^T (h's first M
-    rows read through a transposed view) give the products transposed,
-    [64 D, M] in f32: only the M real rows, where h @ tile would give 64
-    rows of which 64 - M are padding, each a shared-memory write before
-    its store. Each half goes through its own shared-memory slot to a TMA
-    reduce-add into those rows of the transposed f32 output (in interpret
-    mode, which has no TMA reductions and no transposed operands, h^T is
-    written out beside h, and the products go to program p's own partial,
-    summed by XLA). Program p takes the down tiles from column tile p
-    (mod D/128) on, so that the programs, which reach their down steps
-    together, add into different columns at a time. The x tile of these
-    steps is the last one again (read from L2; the pipeline's specs are
-    per step).
+  * steps D/64 .. : one [64 F rows x 128 D columns] tile of down, two
+    WGMMAs h @ tile (64 columns each), each half stored through its own
+    shared-memory slot by a TMA reduce-add into those columns of the f32
+    output (in interpret mode, which has no TMA reductions, into program
+    p's own partial, summed by XLA). Program p takes the down tiles from
+    column tile p (mod D/128) on, so that the programs, which reach their
+    down steps together, add into different columns at a time. The x tile
+    of these steps is the last one again (read from L2; the pipeline's
+    specs are per step).
 
 Shared memory: stages x (64 x 64 + 64 x 128) x itemsize (x and weight
-slots) + 64 x 64 x itemsize (h) + 2 x 64 x M x 4 (the output slots) must
-fit the SM's 227 KB: up to 7 stages at bf16. With the down products
-transposed the 0.5B's MLP takes 11.2 us at 16 rows on an H200 against
-12.7 us for h @ tile; at 64 rows, and at the 1B's 16, the two are within
-0.7 us (results/h200/README.md, "down products transposed"). `STAGES` = 6 is the default:
-on an H200 (measured with h @ tile down products), 6 slots run the 0.5B's
-MLP at 16 rows in 12.1-12.4 us against 12.5-12.7 us with 7, and the 1B's
-in 33.7-33.8 against 34.2-34.3 us (results/h200/README.md, "six weight
-slots").
+slots) + 64 x 64 x itemsize (h) + 2 x 64 x 64 x 4 (the output slots) must
+fit the SM's 227 KB: up to 7 stages at bf16. The down products are
+h @ tile although 64 - M of their rows are padding: computed transposed
+(tile^T @ h^T, [64 D, M], h through a transposed view) the kernel takes
+11.2 against 12.7 us at the 0.5B's 16 rows, but its f32 output and
+residual are then [D, M], and the transposes XLA runs around it cost the
+step 0.2 ms at 32k x 16 (results/h200/README.md, "The transposed down
+products in the step"). `STAGES` = 6 is the default:
+on an H200, 6 slots run the 0.5B's MLP at 16 rows in 12.1-12.4 us against
+12.5-12.7 us with 7, and the 1B's in 33.7-33.8 against 34.2-34.3 us
+(results/h200/README.md, "six weight slots").
 """
 from __future__ import annotations
 
@@ -81,8 +78,7 @@ def _transforms(cols: int, itemsize: int):
 
 
 def smem_bytes(*, itemsize: int, stages: int) -> int:
-  """Shared memory of one program (see the module docstring), at the most
-  rows (M = 64)."""
+  """Shared memory of one program (see the module docstring)."""
   return (stages * (ROWS * BLOCK + BLOCK * TILE_COLS) * itemsize + ROWS * BLOCK * itemsize
           + 2 * ROWS * BLOCK * 4)
 
@@ -105,7 +101,7 @@ def swiglu_mlp_gpu(x, w_stream, residual, *, stages: int = STAGES, interpret: bo
       return (s - gate_up_steps + p) % down_steps
     out_block = out_gmem.at[p] if interpret else out_gmem
 
-    def scope(h_smem, out_smem, ht_smem=None):
+    def scope(h_smem, out_smem):
       def compute_context(run_pipeline):
         def accumulators(acc_gate, acc_up):
           run_pipeline((acc_gate, acc_up))
@@ -130,31 +126,27 @@ def swiglu_mlp_gpu(x, w_stream, residual, *, stages: int = STAGES, interpret: bo
         def _swiglu():
           plgpu.wgmma_wait(0)
           gate = acc_gate[...]
-          h = (gate * jax.nn.sigmoid(gate) * acc_up[...]).astype(h_smem.dtype)
-          h_smem[...] = h
-          if interpret:  # (interpret mode takes no transposed operand)
-            ht_smem[...] = h.T[:, :m]
+          h_smem[...] = (gate * jax.nn.sigmoid(gate) * acc_up[...]).astype(h_smem.dtype)
           plgpu.commit_smem()
 
         @pl.when(s >= gate_up_steps)
         def _down():
           first = down_tile(s) * TILE_COLS
-          h_t = ht_smem if interpret else plgpu.transpose_ref(h_smem.at[pl.ds(0, m)], (1, 0))
 
           def columns(acc_lo, acc_hi):
-            plgpu.wgmma(acc_lo, w_smem.at[:, pl.ds(0, BLOCK)], h_t)
-            plgpu.wgmma(acc_hi, w_smem.at[:, pl.ds(BLOCK, BLOCK)], h_t)
+            plgpu.wgmma(acc_lo, h_smem, w_smem.at[:, pl.ds(0, BLOCK)])
+            plgpu.wgmma(acc_hi, h_smem, w_smem.at[:, pl.ds(BLOCK, BLOCK)])
             plgpu.wgmma_wait(0)
             for half, acc in enumerate((acc_lo, acc_hi)):
               plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # this slot's last store has read it
               out_smem[half] = acc[...]
               plgpu.commit_smem()
-              plgpu.copy_smem_to_gmem(out_smem.at[half],
-                                      out_block.at[pl.ds(first + half * BLOCK, BLOCK)],
+              plgpu.copy_smem_to_gmem(out_smem.at[half, pl.ds(0, m)],
+                                      out_block.at[:, pl.ds(first + half * BLOCK, BLOCK)],
                                       reduction_op=None if interpret else "add")
 
-          pl.run_scoped(columns, plgpu.ACC((BLOCK, m), jnp.float32),
-                        plgpu.ACC((BLOCK, m), jnp.float32))
+          pl.run_scoped(columns, plgpu.ACC((ROWS, BLOCK), jnp.float32),
+                        plgpu.ACC((ROWS, BLOCK), jnp.float32))
 
         return accs
 
@@ -174,21 +166,19 @@ def swiglu_mlp_gpu(x, w_stream, residual, *, stages: int = STAGES, interpret: bo
     pl.run_scoped(
         scope,
         plgpu.SMEM((ROWS, BLOCK), x.dtype, transforms=_transforms(BLOCK, itemsize)),
-        plgpu.SMEM((2, BLOCK, m), jnp.float32, transforms=_transforms(m, 4)),
-        *([plgpu.SMEM((BLOCK, m), x.dtype)] if interpret else []),
+        plgpu.SMEM((2, ROWS, BLOCK), jnp.float32, transforms=_transforms(BLOCK, 4)),
         collective_axes="wg")
 
   mesh = dict(grid=(programs,), grid_names=("p",), num_threads=2, thread_name="wg")
   params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup)
   if interpret:  # the x rows past M as explicit zeros, and per-program partials
     x = jnp.pad(x, ((0, ROWS - m), (0, 0)))
-    partials = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((programs, d, m), jnp.float32),
+    partials = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((programs, m, d), jnp.float32),
                             compiler_params=params, interpret=interpret_params(),
                             **mesh)(x, w_stream)
-    return residual.astype(jnp.float32) + partials.sum(0).T
-  # the residual's f32 copy, transposed as the down products are, is the
-  # buffer the programs add into: a Ref argument of the kernel is aliased in
-  # and out
-  out = jax.new_ref(residual.T.astype(jnp.float32))
+    return residual.astype(jnp.float32) + partials.sum(0)
+  # the residual's f32 copy is the buffer the programs add into: a Ref
+  # argument of the kernel is aliased in and out
+  out = jax.new_ref(residual.astype(jnp.float32))
   pl.kernel(body, out_type=(), mesh=plgpu.Mesh(**mesh), compiler_params=params)(x, w_stream, out)
-  return out[...].T
+  return out[...]

@@ -27,9 +27,7 @@ def stream_layout(gate_up: jax.Array, down: jax.Array) -> jax.Array:
   p holds everything program p reads, tile after tile (64 rows each):
   D / 64 tiles of [gate | up] columns of F block p (rows k*64 .. k*64+63
   of D), then D / 128 tiles of down rows of F block p (columns c*128 ..
-  c*128+127 of D), transposed: tile c is [down[F block p, c*128 .. +63].T |
-  down[F block p, c*128+64 .. +127].T], two [64 D, 64 F] halves, the
-  operands that multiply h's transpose. So S = D / 64 + D / 128."""
+  c*128+127 of D). So S = D / 64 + D / 128."""
   d, f2 = gate_up.shape
   f = f2 // 2
   if down.shape != (f, d) or d % TILE_COLS or f % BLOCK:
@@ -39,8 +37,7 @@ def stream_layout(gate_up: jax.Array, down: jax.Array) -> jax.Array:
   gate = gate_up[:, 0::2].reshape(d // BLOCK, BLOCK, p, BLOCK)
   up = gate_up[:, 1::2].reshape(d // BLOCK, BLOCK, p, BLOCK)
   gate_up_tiles = jnp.concatenate([gate, up], axis=-1).transpose(2, 0, 1, 3)
-  down_tiles = down.reshape(p, BLOCK, d // TILE_COLS, 2, BLOCK).transpose(0, 2, 4, 3, 1)
-  down_tiles = down_tiles.reshape(p, d // TILE_COLS, BLOCK, TILE_COLS)
+  down_tiles = down.reshape(p, BLOCK, d // TILE_COLS, TILE_COLS).transpose(0, 2, 1, 3)
   return jnp.concatenate([gate_up_tiles, down_tiles], axis=1).reshape(p, -1, TILE_COLS)
 
 
@@ -53,8 +50,7 @@ def unstream_layout(w_stream: jax.Array, d: int) -> tuple[jax.Array, jax.Array]:
   gate = gu[..., :BLOCK].reshape(d, p * BLOCK)
   up = gu[..., BLOCK:].reshape(d, p * BLOCK)
   gate_up = jnp.stack([gate, up], axis=-1).reshape(d, -1)
-  down_tiles = tiles[:, n_gu:].reshape(p, d // TILE_COLS, BLOCK, 2, BLOCK)
-  down = down_tiles.transpose(0, 4, 1, 3, 2).reshape(p * BLOCK, d)
+  down = tiles[:, n_gu:].transpose(0, 2, 1, 3).reshape(p * BLOCK, d)
   return gate_up, down
 
 

@@ -40,10 +40,8 @@ def test_stream_layout_holds_each_programs_tiles_in_streaming_order():
   # program 1, gate/up tile 2: rows 128..191 of D, gate then up of F block 1
   np.testing.assert_array_equal(as_f32(w[1, 128:192, :64]), g[128:192, 64:128])
   np.testing.assert_array_equal(as_f32(w[1, 128:192, 64:]), u[128:192, 64:128])
-  # program 0, down tile 1 (after the 4 gate/up tiles): F rows 0..63, D columns
-  # 128..255, as two transposed halves of 64 D columns
-  np.testing.assert_array_equal(as_f32(w[0, 5 * 64:6 * 64, :64]), as_f32(down)[0:64, 128:192].T)
-  np.testing.assert_array_equal(as_f32(w[0, 5 * 64:6 * 64, 64:]), as_f32(down)[0:64, 192:256].T)
+  # program 0, down tile 1 (after the 4 gate/up tiles): F rows 0..63, D columns 128..255
+  np.testing.assert_array_equal(as_f32(w[0, 5 * 64:6 * 64]), as_f32(down)[0:64, 128:256])
   back = unstream_layout(w, 256)
   np.testing.assert_array_equal(as_f32(back[0]), as_f32(gate_up))
   np.testing.assert_array_equal(as_f32(back[1]), as_f32(down))
@@ -64,8 +62,8 @@ def test_reference_is_the_residual_plus_the_swiglu_mlp():
 # ------------------------------------------------- the kernel, interpreted
 # (m, d, f, stages): 16 rows (a draft pass at batch 16), two programs, the
 # pipeline's slots fewer than its 6 steps; 5 rows (padded to 8) over three
-# programs and 3 steps; 40 rows (transposed down products of 40 columns)
-@pytest.mark.parametrize("m,d,f,stages", [(16, 256, 128, 2), (5, 128, 192, 3), (40, 128, 64, 2)])
+# programs and 3 steps
+@pytest.mark.parametrize("m,d,f,stages", [(16, 256, 128, 2), (5, 128, 192, 3)])
 def test_kernel_interpreted_equals_reference(m, d, f, stages):
   x, gate_up, down, residual = operands(m + d + f, m, d, f)
   w = stream_layout(gate_up, down)
