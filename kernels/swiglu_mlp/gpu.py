@@ -39,9 +39,9 @@ h @ tile although 64 - M of their rows are padding: computed transposed
 11.2 against 12.7 us at the 0.5B's 16 rows, but its f32 output and
 residual are then [D, M], and the transposes XLA runs around it cost the
 step 0.2 ms at 32k x 16 (results/h200/README.md, "The transposed down
-products in the step"). `STAGES` = 6 is the default:
-on an H200, 6 slots run the 0.5B's MLP at 16 rows in 12.1-12.4 us against
-12.5-12.7 us with 7, and the 1B's in 33.7-33.8 against 34.2-34.3 us
+products in the step"). `STAGES` = 6 is the default: on an H200, 6
+slots run the 0.5B's MLP at 16 rows in 12.1-12.4 us against 12.5-12.7 us
+with 7, and the 1B's in 33.7-33.8 against 34.2-34.3 us
 (results/h200/README.md, "six weight slots").
 """
 from __future__ import annotations
