@@ -66,6 +66,10 @@ flags.DEFINE_bool("ragged", True, "add a ragged-lengths variant at the largest c
 flags.DEFINE_bool("smoke", False, "tiny shapes, reference impl (CPU test)")
 flags.DEFINE_float("time_limit_s", 0.0, "seconds after which no measurement starts (0: none)")
 flags.DEFINE_string("impl", "auto", "impl for our kernels")
+flags.DEFINE_bool("sparse_sweep", False, "also time sparse_verify and sparse_verify_packed "
+                  "at other tunings (`sparse_sweep`), at every budget they run at")
+flags.DEFINE_list("srh_layouts", ["4q/4kv", "4q/2kv"], "kv-head layouts of the srh estimate's "
+                  "4 query heads (`SRH_HEADS`)")
 flags.DEFINE_bool("topk_sweep", False, "also time the Pallas top-k at other tunings (chunk "
                   "length, block, radix bits)")
 
@@ -94,13 +98,27 @@ def one_budget(budgets):
 def topk_sweep(S: int, K: int) -> list[dict]:
   """Tunings of the Pallas top-k beside its default: one program per row
   (chunk 0) or chunks of S / 16, S / 32 keys, blocks of 512 or 1024
-  keys, passes of 2 or 4 radix bits; and the default chunks with the
-  candidates taken in groups of 0 (none), 2 or 8 segments."""
+  keys, passes of 2 or 4 radix bits; the default chunks with the
+  candidates taken in groups of 0 (none), 2 or 8 segments; blocks of 4096
+  or 8192 keys (a segment that fits is held whole) at 4 or 8 warps."""
   chunks = [0] + [c for c in (S // 16, S // 32) if c >= 4 * K]
   return ([dict(chunk=c, block=blk, radix_bits=bits)
            for c in chunks for blk in (512, 1024) for bits in (2, 4)]
           + [dict(group=g) for g in (0, 2, 8)]
-          + [dict(group=g, block=512, radix_bits=4) for g in (0, 4)])
+          + [dict(group=g, block=512, radix_bits=4) for g in (0, 4)]
+          # blocks that hold a whole chunk, group or candidate list
+          + [dict(block=blk, num_warps=w) for blk in (4096, 8192) for w in (4, 8)]
+          + [dict(block=8192, num_warps=8, radix_bits=b) for b in (3, 4)]
+          + [dict(chunk=2048, block=8192, num_warps=8, group=g) for g in (0, 4)])
+
+
+def sparse_sweep(kernel: str) -> list[dict]:
+  """Tunings of the sparse kernels beside their defaults: 2 to 8 programs
+  per (sequence, KV head), index blocks of 32 or 64 rows, 4 or 8 warps
+  (`kernel` "sparse": sparse_verify's block_k; "packed": block_w)."""
+  block = "block_k" if kernel == "sparse" else "block_w"
+  return [{"splits": p, block: bk, "num_warps": w}
+          for p in (2, 4, 6, 8) for bk in (32, 64) for w in (4, 8)]
 
 
 def rel_err(out, ref):
@@ -281,6 +299,11 @@ class Bench:
     out = self.time_calls(functools.partial(sparse_verify, impl=FLAGS.impl), sets, rec)
     if check:
       rec["rel_err_vs_reference"] = rel_err(out, jax.jit(sparse_verify_reference)(*sets[0]))
+    for tuning in sparse_sweep("sparse") if FLAGS.sparse_sweep else []:
+      name = "sparse_verify" + "".join(f":{k}={v}" for k, v in tuning.items())
+      rec = self.record(sh, name, rec["bytes"], budget=K)
+      self.guard(name, lambda: self.time_calls(
+          functools.partial(sparse_verify, impl=FLAGS.impl, **tuning), sets, rec))
 
   def run_packed(self, sh, K):
     """A verify layer's attention from its packed q/k/v projection
@@ -304,9 +327,11 @@ class Bench:
     def packed(qkv, lengths, indices, cos, sin, k_cache, v_cache, **tuning):
       return sparse_verify_packed(qkv, k_cache, v_cache, lengths, indices, cos, sin,
                                   impl=FLAGS.impl, **tuning)
-    for name, fn in [("sparse_verify_packed", packed),
-                     ("sparse_verify_packed:no_prefetch",
-                      functools.partial(packed, prefetch=False))]:
+    tunings = [{}, dict(prefetch=False)] + (sparse_sweep("packed") if FLAGS.sparse_sweep else [])
+    for tuning in tunings:
+      name = "sparse_verify_packed" + "".join(
+          f":{k}={v}" if k != "prefetch" else ":no_prefetch" for k, v in tuning.items())
+      fn = functools.partial(packed, **tuning)
       k, v = sh["caches"][0]
       self.guard(name, lambda: self.time_calls(
           fn, sets, self.record(sh, name, by, budget=K), state=(k + 0, v + 0)))
@@ -386,7 +411,7 @@ class Bench:
     if "srh" in kernels and model in FLAGS.srh_models:
       budgets = [int(k) for k in FLAGS.srh_budgets]
       budgets = budgets if primary else [one_budget(budgets)]
-      for layout in ["4q/2kv"] if FLAGS.smoke else SRH_HEADS:
+      for layout in ["4q/2kv"] if FLAGS.smoke else FLAGS.srh_layouts:
         self.guard(f"srh {layout}", lambda: self.run_srh(sh, layout, budgets))
 
 
@@ -452,6 +477,9 @@ def main(argv):
   if FLAGS.smoke:
     for name, value in SMOKE.items():
       setattr(FLAGS, name, value)
+  unknown = sorted(set(FLAGS.srh_layouts) - set(SRH_HEADS))
+  if unknown:
+    raise app.UsageError(f"--srh_layouts: unknown {unknown}; known: {sorted(SRH_HEADS)}")
   bench = Bench()
   print(f"device {bench.device}  jax {jax.__version__}", flush=True)
   bench.measure_copy()

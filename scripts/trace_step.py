@@ -59,8 +59,21 @@ flags.DEFINE_bool("save_hlo", False, "also write the dustin step's compiled HLO 
 flags.DEFINE_enum("draft_mlp", "auto", ["auto", "xla", "kernel"], "the draft's MLPs: XLA's "
                   "GEMMs, one kernel per layer pass (kernels.swiglu_mlp, Hopper) or auto "
                   "(the kernel wherever it runs, as the CLI)")
+flags.DEFINE_bool("timeline", False, "also write the dustin steps' kernels in start order "
+                  "(<out_name>.timeline.json.gz: start and duration in us from the first "
+                  "kernel, stream, kernel name, phase): what runs beside what in a "
+                  "concurrent graph")
 flags.DEFINE_bool("smoke", False, "tiny shapes (CPU)")
 FLAGS = flags.FLAGS
+
+
+def timeline(dev, phase_of) -> list:
+  """[start us, duration us, stream, kernel, phase] of the kernel events
+  `dev`, in start order, times from the first kernel."""
+  dev = sorted(dev, key=lambda e: e["ts"])
+  t0 = dev[0]["ts"] if dev else 0
+  return [[round(e["ts"] - t0, 2), round(e.get("dur", 0), 2), e.get("tid"), e["name"],
+           (phase_of or {}).get(e["name"])] for e in dev]
 
 
 def profile(fn, steps, phase_of=None, source_of=None):
@@ -102,6 +115,11 @@ def profile(fn, steps, phase_of=None, source_of=None):
   sources = time_by_source(per, count, source_of)
   phases = ({p: round(us / steps / 1e3, 4) for p, us in attribute_phases(dev, phase_of).items()}
             if phase_of and dev else None)
+  if FLAGS.timeline and phase_of is not None:  # the dustin step
+    os.makedirs(FLAGS.out_dir, exist_ok=True)
+    with gzip.open(os.path.join(FLAGS.out_dir, FLAGS.out_name + ".timeline.json.gz"),
+                   "wt") as f:
+      json.dump(timeline(dev, phase_of), f)
   return dict(phase_ms=phases, graph=graph_mode(), step_ms=1e3 * sorted(runs)[1],
               step_ms_runs=[1e3 * r for r in runs],
               profiled_wall_ms=1e3 * wall, gpu_busy_ms=busy / 1e3,

@@ -91,3 +91,15 @@ def test_trace_step_saves_the_compiled_hlo(tmp_path):
   assert text.startswith("HloModule") and "StackFrames" in text
   out = json.loads((tmp_path / "trace_step.json").read_text())
   assert "vanilla" not in out and out["dustin"]["step_ms"] > 0
+
+
+def test_timeline_lists_kernels_in_start_order_with_their_phase():
+  from scripts.trace_step import timeline
+  dev = [dict(ts=110.0, dur=5.0, tid=7, name="gemm_fusion_dot_7"),
+         dict(ts=100.0, dur=12.5, tid=7, name="fusion_3"),
+         dict(ts=104.0, dur=1.0, tid=8, name="my_pallas")]
+  phase_of = {"fusion_3": "draft", "gemm_fusion_dot_7": "verify"}
+  assert timeline(dev, phase_of) == [[0.0, 12.5, 7, "fusion_3", "draft"],
+                                     [4.0, 1.0, 8, "my_pallas", None],
+                                     [10.0, 5.0, 7, "gemm_fusion_dot_7", "verify"]]
+  assert timeline([], phase_of) == []

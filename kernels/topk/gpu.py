@@ -8,7 +8,8 @@ Every float is compared through ``sortable_key`` (an int32 whose signed order
 is the float's total order).  Grid (B, P): program (b, p) owns the segment
 [p * L, p * L + L) of row b (P = 1, L = S: the whole row), walked in blocks
 of ``block`` keys (masked loads past the segment; those padding lanes get
-the key INT32_MIN, the smallest, and come after every real lane), and:
+the key INT32_MIN, the smallest, and come after every real lane; a segment
+of one block is loaded once and held in registers by every walk), and:
   * radix search: the bucket [lo, lo + 2^s) (unsigned order of the keys,
     starting as all 2^32 keys) always holds the k-th largest key, with
     c_lo = #(key >= lo) >= k and c_hi = #(key >= lo + 2^s) < k.  A pass cuts
@@ -63,13 +64,14 @@ needs only a masked vector load per block from L2 (one row is 139 KB at
 loads/stores and ``tt.scan`` (cumsum) fit directly.
 
 On an H200 (B = 16, S = 34816, one call each): k = 128 / 304 / 512 in
-34.2 / 53.9 / 48.6 us at the default tuning (the last in groups), where
+22.2 / 28.7 / 30.7 us at the default tuning (the last in groups), where
 lax.top_k (a full sort of each row) takes 177-180 us and the two-stage
 lax.top_k of ``kernels.srh_scores.ops.select_topk`` 68.8 / 97.3 / 110.5 us.
 """
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -105,6 +107,12 @@ def _kernel(x_ref, *refs, k, N, L, P, BLK, bits, from_candidates):
                  other=-jnp.inf)
     key = jnp.where(valid, sortable_key(x), INT32_MIN)
     return x, pos, key, valid
+
+  if n_blocks == 1:
+    # The whole segment in one block: loaded once, held in registers by
+    # every pass and the compaction, instead of re-read from L1/L2 by each.
+    resident = load_block(0)
+    load_block = lambda i: resident
 
   C = 1 << bits
   digit = jnp.arange(C, dtype=jnp.int32)
@@ -176,20 +184,20 @@ def _kernel(x_ref, *refs, k, N, L, P, BLK, bits, from_candidates):
 
 
 def default_tuning(B, S, k):
-  """Blocks of 1024 keys, 2-bit passes, 4 warps, 3 stages; a first call over
-  chunks of at least 4 k keys, about two programs per SM; from 8192
-  candidates a row, calls over groups of 4 of the previous call's segments.
-  Measured on an H200 at B = 16, S = 34816 (`scripts/bench_attention.py
-  --topk_sweep`, chunks of S / 16): k = 128 / 304 / 512 in 34.2 / 53.9 /
-  81.1 us without groups, 33.1 / 48.8 / 48.6 us with groups of 4; chunks of
-  S / 8 in blocks of 512 with 4-bit passes took 51.8 / 64.0 / 75.2 us and
-  one program per row 228-440 us.  In the speculative step (k = 128 and
-  304: 2048 and 4864 candidates) the groups made the step 0.05 ms slower
-  although its top-k kernels got shorter, hence the 8192."""
+  """Blocks of up to 8192 keys at 8 warps, so that a chunk, a group or the
+  last call's candidates sit in one block, loaded once; 2-bit passes, 3
+  stages; a first call over chunks of about two programs per SM, their
+  length rounded to a power of two (at least 2 k keys); from 8192
+  candidates a row, calls over groups of 4 of the previous call's segments.  Measured on an H200 at B = 16,
+  S = 34816 (`scripts/bench_attention.py --topk_sweep`): k = 128 / 304 /
+  512 in 22.2 / 28.7 / 30.7 us (17 chunks of 2048; groups at k = 512 only),
+  against 34.9 / 55.0 / 48.7 us in blocks of 1024 keys at 4 warps (chunks
+  of 2176), re-read from L1/L2 by every pass; 4-bit passes are slower
+  (56 us at k = 512), as is one program per row (228-440 us)."""
   chunks = min(max(1, round(2 * common.num_sms() / B)), S // (4 * k))
-  chunk = common.cdiv(S, chunks) if chunks > 1 else 0
-  group = 4 if chunk and chunks * k >= 8192 else 0
-  return dict(block=1024, chunk=chunk, group=group, radix_bits=2, num_warps=4,
+  chunk = 1 << round(math.log2(S / chunks)) if chunks > 1 else 0
+  group = 4 if chunk and common.cdiv(S, chunk) * k >= 8192 else 0
+  return dict(block=8192, chunk=chunk, group=group, radix_bits=2, num_warps=8,
               num_stages=3)
 
 
@@ -246,7 +254,8 @@ def topk_gpu(scores, k, *, interpret=False, **tuning
   if not chunk or chunk >= S:
     return _select(x, k, None, L=S, block=min(block, common.next_pow2(S)),
                    **common_args)
-  vals, idx = _select(x, k, None, L=chunk, block=block, **common_args)
+  vals, idx = _select(x, k, None, L=chunk, block=min(block, common.next_pow2(chunk)),
+                      **common_args)
   group = int(tune["group"])
   while group > 1 and vals.shape[1] // k >= 2 * group:
     vals, idx = _select(vals, k, idx, L=group * k,

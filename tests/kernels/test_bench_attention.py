@@ -57,6 +57,25 @@ def test_budget_shapes_choose_where_every_budget_runs(tmp_path):
   assert sorted(r["budget"] for r in recs if r["kernel"] == "sparse_verify") == [8]
 
 
+def test_sparse_sweep_times_each_tuning_of_both_sparse_kernels(tmp_path):
+  from scripts.bench_attention import sparse_sweep
+  root = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
+  env = dict(os.environ, PYTHONPATH=root, JAX_PLATFORMS="cpu")
+  env["XLA_FLAGS"] = xla_flags()  # one CPU device
+  proc = subprocess.run(
+      [sys.executable, "-m", "scripts.bench_attention", "--smoke", "--kernels=sparse,packed",
+       "--sparse_sweep", "--compile_cache=", f"--out_dir={tmp_path}"],
+      cwd=root, env=env, capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  names = [r["kernel"] for r in json.load(open(tmp_path / "attention.json"))]
+  assert len(sparse_sweep("sparse")) == len(sparse_sweep("packed")) == 16
+  for kernel, base, block in (("sparse", "sparse_verify", "block_k"),
+                              ("packed", "sparse_verify_packed", "block_w")):
+    swept = {n for n in names if n.startswith(base + ":splits=")}
+    assert len(swept) == 16
+    assert f"{base}:splits=6:{block}=32:num_warps=4" in swept
+
+
 def test_parse_device_times_unions_gpu_stream_kernels():
   from scripts.benchmarking import parse_device_times
   M = lambda pid, tid, kind, name: dict(ph="M", pid=pid, tid=tid, name=kind,

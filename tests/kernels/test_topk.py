@@ -96,7 +96,8 @@ def test_reference_orders_zeros_and_ties_like_lax_top_k():
 # last pass has 2); the default tuning (two calls at 2050, k 37); k = S, k = 1;
 # calls over groups of candidates: 33 -> 17 -> 9 -> 5 -> 3 segments (the last
 # group of each call holds one segment), and 5 -> 3 segments with the first
-# call's padding lanes among the grouped candidates.
+# call's padding lanes among the grouped candidates; segments held whole in
+# one block (a row; chunks, groups and the last call).
 KERNEL_CASES = [
     (1000, 37, dict(block=256, chunk=0)),
     (1000, 128, dict(block=128, chunk=256)),
@@ -108,6 +109,8 @@ KERNEL_CASES = [
     (20, 1, dict(block=16)),
     (4100, 37, dict(block=64, chunk=128, group=2)),
     (2050, 304, dict(block=256, chunk=512, group=2)),
+    (1000, 128, dict(block=1024, chunk=0)),
+    (2050, 304, dict(block=1024, chunk=512, group=2, radix_bits=4)),
 ]
 
 
@@ -173,8 +176,10 @@ gpu_only = pytest.mark.skipif(not ON_GPU, reason="needs a GPU")
 
 @gpu_only
 @pytest.mark.parametrize("k", [128, 304, 512])
-@pytest.mark.parametrize("chunk", [None, 0])  # the default; one call per row
-def test_gpu_kernel_compiled_step_shape(k, chunk):
+# the default; one call per row; segments held whole (chunks of 2176 and
+# the candidate lists in blocks of 4096 / 8192 keys)
+@pytest.mark.parametrize("tuning", [{}, dict(chunk=0), dict(block=8192, num_warps=8)])
+def test_gpu_kernel_compiled_step_shape(k, tuning):
   # B 16 rows of S = 34816 (32k context), the tails past each row's length
   # masked -inf; rows of score_rows' kinds among them
   B, S = 16, 34816
@@ -184,5 +189,5 @@ def test_gpu_kernel_compiled_step_shape(k, chunk):
   scores[np.arange(S)[None, :] >= lengths[:, None]] = -np.inf
   scores[:8] = np.asarray(score_rows(k, S, k))[:8]
   scores = jnp.asarray(scores)
-  got = ops.topk(scores, k, chunk=chunk)
+  got = ops.topk(scores, k, **tuning)
   assert_same_bits(got, topk_reference(scores, k))
