@@ -103,3 +103,18 @@ def test_timeline_lists_kernels_in_start_order_with_their_phase():
                                      [4.0, 1.0, 8, "my_pallas", None],
                                      [10.0, 5.0, 7, "gemm_fusion_dot_7", "verify"]]
   assert timeline([], phase_of) == []
+
+
+def test_row_phases_name_pallas_kernels_and_plot_the_timeline(tmp_path):
+  from scripts.trace_step import plot_timeline, row_phases
+  rows = [[0.0, 5.0, 7, "fusion_3", "draft"],
+          [1.0, 9.0, 8, "srh_logits__1", None],       # named: estimate
+          [6.0, 4.0, 7, "window_attention", None],    # its stream's last: draft
+          [7.0, 2.0, 9, "my_kernel", None],           # first on its stream: the last started
+          [11.0, 3.0, 8, "topk_chunks", None],         # named: select
+          [12.0, 1.0, 8, "gemm_fusion_dot_7", "verify"],
+          [15.0, 1.0, 8, "listed_attention", None]]
+  assert row_phases(rows) == ["draft", "estimate", "draft", "draft", "select", "verify",
+                              "verify"]
+  plot_timeline(rows, str(tmp_path / "t.png"), "t")
+  assert (tmp_path / "t.png").stat().st_size > 5000
