@@ -188,9 +188,10 @@ def default_tuning(B, S, k):
   last call's candidates sit in one block, loaded once; 2-bit passes, 3
   stages; a first call over chunks of about two programs per SM, their
   length rounded to a power of two (at least 2 k keys); from 8192
-  candidates a row, calls over groups of 4 of the previous call's segments.  Measured on an H200 at B = 16,
-  S = 34816 (`scripts/bench_attention.py --topk_sweep`): k = 128 / 304 /
-  512 in 22.2 / 28.7 / 30.7 us (17 chunks of 2048; groups at k = 512 only),
+  candidates a row, calls over groups of 4 of the previous call's
+  segments.  Measured on an H200 at B = 16, S = 34816
+  (`scripts/bench_attention.py --topk_sweep`): k = 128 / 304 / 512 in
+  22.2 / 28.7 / 30.7 us (17 chunks of 2048; groups at k = 512 only),
   against 34.9 / 55.0 / 48.7 us in blocks of 1024 keys at 4 warps (chunks
   of 2176), re-read from L1/L2 by every pass; 4-bit passes are slower
   (56 us at k = 512), as is one program per row (228-440 us)."""
