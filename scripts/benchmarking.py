@@ -348,6 +348,52 @@ def hlo_phases(hlo_text: str) -> dict[str, str]:
   return out
 
 
+def timeline(dev, phase_of) -> list:
+  """[start us, duration us, stream, kernel, phase] of the kernel events
+  `dev`, in start order, times from the first kernel."""
+  dev = sorted(dev, key=lambda e: e["ts"])
+  t0 = dev[0]["ts"] if dev else 0
+  return [[round(e["ts"] - t0, 2), round(e.get("dur", 0), 2), e.get("tid"), e["name"],
+           (phase_of or {}).get(e["name"])] for e in dev]
+
+
+PHASE_COLORS = {"draft": "tab:blue", "estimate": "tab:orange", "select": "tab:red",
+                "verify": "tab:green", "accept": "tab:purple", "commit": "tab:brown"}
+# Pallas kernels that only one phase calls (a kernel's name carries no scope)
+PALLAS_PHASE = {"srh_logits": "estimate", "srh_scores": "estimate", "topk": "select",
+                "topk_chunks": "select", "listed_attention": "verify"}
+
+
+def row_phases(rows) -> list:
+  """The phase of each `timeline` row: its own, else (a kernel that is no
+  XLA instruction, e.g. a Pallas kernel) the one `PALLAS_PHASE` gives it,
+  else that of the kernel before it on its stream, else that of the kernel
+  started before it."""
+  last, phase, out = {}, "draft", []
+  for _, _, tid, name, p in rows:
+    phase = p or PALLAS_PHASE.get(name.split("__")[0]) or last.get(tid, phase)
+    last[tid] = phase
+    out.append(phase)
+  return out
+
+
+def plot_timeline(rows, path, title=""):
+  """One bar per kernel of `timeline` rows, a lane per stream, coloured by
+  its phase (`row_phases`)."""
+  fig, ax = pyplot().subplots(figsize=(16, 4.5))
+  lanes = {tid: i for i, tid in enumerate(sorted({r[2] for r in rows}, key=str))}
+  for (start, dur, tid, _, _), phase in zip(rows, row_phases(rows)):
+    ax.broken_barh([(start / 1e3, max(dur, 0.5) / 1e3)], (lanes[tid] - 0.4, 0.8),
+                   color=PHASE_COLORS.get(phase, "gray"), linewidth=0)
+  ax.set_yticks(range(len(lanes)), [str(t) for t in lanes], fontsize=6)
+  ax.set_xlabel("ms from the first kernel (profiled steps: the profiler stretches the gaps)")
+  ax.set_ylabel("GPU stream")
+  ax.legend(handles=[pyplot().Rectangle((0, 0), 1, 1, color=c, label=p)
+                     for p, c in PHASE_COLORS.items()], loc="upper right", fontsize=8)
+  ax.set_title(title or "kernels of the dustin step by stream and phase")
+  save_figure(fig, path)
+
+
 def graph_mode() -> str:
   """"concurrent" where XLA records the step's CUDA graph with concurrent
   commands (`dustin_jax.config.GRAPH_FLAGS`), else "serial". In a

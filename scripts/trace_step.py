@@ -38,9 +38,9 @@ from dustin_jax.speculative.step import SpecConfig, bind_spec_step
 from dustin_jax.vanilla import VanillaState, bind_vanilla_step
 from scripts.benchmarking import (attribute_phases, busy_time, compile_cache_from_flag,
                                   device_events, fresh_decode_state, graph_mode, hlo_op_names,
-                                  hlo_phases, load_trace_events, pyplot, random_cache,
-                                  random_model, save_figure, short_source, spec_state_at,
-                                  time_by_source, write_json)
+                                  hlo_phases, load_trace_events, plot_timeline, random_cache,
+                                  random_model, short_source, spec_state_at, time_by_source,
+                                  timeline, write_json)
 
 flags.DEFINE_string("out_dir", "results/h200", "where trace_step.json goes")
 flags.DEFINE_string("model", "qwen7b", "target + draft shapes: qwen7b, llama3_8b or qwen72b")
@@ -66,52 +66,6 @@ flags.DEFINE_bool("timeline", False, "also write the dustin steps' kernels in st
                   "what runs beside what in a concurrent graph")
 flags.DEFINE_bool("smoke", False, "tiny shapes (CPU)")
 FLAGS = flags.FLAGS
-
-
-def timeline(dev, phase_of) -> list:
-  """[start us, duration us, stream, kernel, phase] of the kernel events
-  `dev`, in start order, times from the first kernel."""
-  dev = sorted(dev, key=lambda e: e["ts"])
-  t0 = dev[0]["ts"] if dev else 0
-  return [[round(e["ts"] - t0, 2), round(e.get("dur", 0), 2), e.get("tid"), e["name"],
-           (phase_of or {}).get(e["name"])] for e in dev]
-
-
-PHASE_COLORS = {"draft": "tab:blue", "estimate": "tab:orange", "select": "tab:red",
-                "verify": "tab:green", "accept": "tab:purple", "commit": "tab:brown"}
-# Pallas kernels that only one phase calls (a kernel's name carries no scope)
-PALLAS_PHASE = {"srh_logits": "estimate", "srh_scores": "estimate", "topk": "select",
-                "topk_chunks": "select", "listed_attention": "verify"}
-
-
-def row_phases(rows) -> list:
-  """The phase of each `timeline` row: its own, else (a kernel that is no
-  XLA instruction, e.g. a Pallas kernel) the one `PALLAS_PHASE` gives it,
-  else that of the kernel before it on its stream, else that of the kernel
-  started before it."""
-  last, phase, out = {}, "draft", []
-  for _, _, tid, name, p in rows:
-    phase = p or PALLAS_PHASE.get(name.split("__")[0]) or last.get(tid, phase)
-    last[tid] = phase
-    out.append(phase)
-  return out
-
-
-def plot_timeline(rows, path, title=""):
-  """One bar per kernel of `timeline` rows, a lane per stream, coloured by
-  its phase (`row_phases`)."""
-  fig, ax = pyplot().subplots(figsize=(16, 4.5))
-  lanes = {tid: i for i, tid in enumerate(sorted({r[2] for r in rows}, key=str))}
-  for (start, dur, tid, _, _), phase in zip(rows, row_phases(rows)):
-    ax.broken_barh([(start / 1e3, max(dur, 0.5) / 1e3)], (lanes[tid] - 0.4, 0.8),
-                   color=PHASE_COLORS.get(phase, "gray"), linewidth=0)
-  ax.set_yticks(range(len(lanes)), [str(t) for t in lanes], fontsize=6)
-  ax.set_xlabel("ms from the first kernel (profiled steps: the profiler stretches the gaps)")
-  ax.set_ylabel("GPU stream")
-  ax.legend(handles=[pyplot().Rectangle((0, 0), 1, 1, color=c, label=p)
-                     for p, c in PHASE_COLORS.items()], loc="upper right", fontsize=8)
-  ax.set_title(title or "kernels of the dustin step by stream and phase")
-  save_figure(fig, path)
 
 
 def profile(fn, steps, phase_of=None, source_of=None):

@@ -83,7 +83,7 @@ def test_kernel_sources_and_time_by_source():
 def test_trace_step_saves_the_compiled_hlo(tmp_path):
   import gzip
   argv = [sys.executable, "-m", "scripts.trace_step", "--smoke", "--methods=dustin",
-          "--save_hlo", f"--out_dir={tmp_path}", "--asrun_steps=1", "--steps=1"]
+          "--save_hlo", "--timeline", f"--out_dir={tmp_path}", "--asrun_steps=1", "--steps=1"]
   p = subprocess.run(argv, capture_output=True, text=True, timeout=600,
                      env=dict(os.environ, JAX_PLATFORMS="cpu"))
   assert p.returncode == 0, p.stderr[-2000:]
@@ -91,10 +91,14 @@ def test_trace_step_saves_the_compiled_hlo(tmp_path):
   assert text.startswith("HloModule") and "StackFrames" in text
   out = json.loads((tmp_path / "trace_step.json").read_text())
   assert "vanilla" not in out and out["dustin"]["step_ms"] > 0
+  # the kernel timeline (empty on CPU: no GPU streams) and its plot
+  rows = json.load(gzip.open(tmp_path / "trace_step.json.timeline.json.gz", "rt"))
+  assert isinstance(rows, list)
+  assert (tmp_path / "trace_step.json.timeline.png").stat().st_size > 1000
 
 
 def test_timeline_lists_kernels_in_start_order_with_their_phase():
-  from scripts.trace_step import timeline
+  from scripts.benchmarking import timeline
   dev = [dict(ts=110.0, dur=5.0, tid=7, name="gemm_fusion_dot_7"),
          dict(ts=100.0, dur=12.5, tid=7, name="fusion_3"),
          dict(ts=104.0, dur=1.0, tid=8, name="my_pallas")]
@@ -106,7 +110,7 @@ def test_timeline_lists_kernels_in_start_order_with_their_phase():
 
 
 def test_row_phases_name_pallas_kernels_and_plot_the_timeline(tmp_path):
-  from scripts.trace_step import plot_timeline, row_phases
+  from scripts.benchmarking import plot_timeline, row_phases
   rows = [[0.0, 5.0, 7, "fusion_3", "draft"],
           [1.0, 9.0, 8, "srh_logits__1", None],       # named: estimate
           [6.0, 4.0, 7, "window_attention", None],    # its stream's last: draft

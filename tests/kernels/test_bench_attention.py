@@ -58,7 +58,6 @@ def test_budget_shapes_choose_where_every_budget_runs(tmp_path):
 
 
 def test_sparse_sweep_times_each_tuning_of_both_sparse_kernels(tmp_path):
-  from scripts.bench_attention import sparse_sweep
   root = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
   env = dict(os.environ, PYTHONPATH=root, JAX_PLATFORMS="cpu")
   env["XLA_FLAGS"] = xla_flags()  # one CPU device
@@ -68,7 +67,6 @@ def test_sparse_sweep_times_each_tuning_of_both_sparse_kernels(tmp_path):
       cwd=root, env=env, capture_output=True, text=True, timeout=300)
   assert proc.returncode == 0, proc.stderr[-3000:]
   names = [r["kernel"] for r in json.load(open(tmp_path / "attention.json"))]
-  assert len(sparse_sweep("sparse")) == len(sparse_sweep("packed")) == 16
   for kernel, base, block in (("sparse", "sparse_verify", "block_k"),
                               ("packed", "sparse_verify_packed", "block_w")):
     swept = {n for n in names if n.startswith(base + ":splits=")}
