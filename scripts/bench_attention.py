@@ -121,6 +121,13 @@ def sparse_sweep(kernel: str) -> list[dict]:
           for p in (2, 4, 6, 8) for bk in (32, 64) for w in (4, 8)]
 
 
+def tuned_name(kernel: str, tuning: dict) -> str:
+  """A record's kernel name with its tuning: `kernel:key=value...`
+  (`prefetch=False` as `:no_prefetch`)."""
+  return kernel + "".join(":no_prefetch" if (k, v) == ("prefetch", False) else f":{k}={v}"
+                          for k, v in tuning.items())
+
+
 def rel_err(out, ref):
   out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
   if not np.isfinite(out).all():
@@ -293,15 +300,15 @@ class Bench:
     idx = self.sparse_indices(sh, K)
     # K/V rows read: the valid indices and the T block rows of each sequence
     rows = (idx[0] >= 0).sum() + sh["B"] * sh["T"]
-    rec = self.record(sh, "sparse_verify", self.floor_bytes(sh, rows) + sh["B"] * K * 4,
-                      budget=K)
+    by = self.floor_bytes(sh, rows) + sh["B"] * K * 4
+    rec = self.record(sh, "sparse_verify", by, budget=K)
     sets = self.argsets(sh, [jnp.asarray(i) for i in idx])
     out = self.time_calls(functools.partial(sparse_verify, impl=FLAGS.impl), sets, rec)
     if check:
       rec["rel_err_vs_reference"] = rel_err(out, jax.jit(sparse_verify_reference)(*sets[0]))
     for tuning in sparse_sweep("sparse") if FLAGS.sparse_sweep else []:
-      name = "sparse_verify" + "".join(f":{k}={v}" for k, v in tuning.items())
-      rec = self.record(sh, name, rec["bytes"], budget=K)
+      name = tuned_name("sparse_verify", tuning)
+      rec = self.record(sh, name, by, budget=K)
       self.guard(name, lambda: self.time_calls(
           functools.partial(sparse_verify, impl=FLAGS.impl, **tuning), sets, rec))
 
@@ -329,8 +336,7 @@ class Bench:
                                   impl=FLAGS.impl, **tuning)
     tunings = [{}, dict(prefetch=False)] + (sparse_sweep("packed") if FLAGS.sparse_sweep else [])
     for tuning in tunings:
-      name = "sparse_verify_packed" + "".join(
-          f":{k}={v}" if k != "prefetch" else ":no_prefetch" for k, v in tuning.items())
+      name = tuned_name("sparse_verify_packed", tuning)
       fn = functools.partial(packed, **tuning)
       k, v = sh["caches"][0]
       self.guard(name, lambda: self.time_calls(
@@ -358,7 +364,7 @@ class Bench:
       # the exact Pallas top-k the tiered selection runs on GPU (its set,
       # in index order), at its default tuning and, with --topk_sweep, others
       for tuning in [{}] + (topk_sweep(S, K) if FLAGS.topk_sweep else []):
-        name = "topk_kernel" + "".join(f":{k}={v}" for k, v in tuning.items())
+        name = tuned_name("topk_kernel", tuning)
         selects.append((name, functools.partial(topk, k=K, impl=FLAGS.impl, **tuning)))
       for name, select in selects:
         self.time_calls(select, scores, self.record(sh, name, B * S * 4, budget=K))

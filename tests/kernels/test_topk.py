@@ -176,9 +176,10 @@ gpu_only = pytest.mark.skipif(not ON_GPU, reason="needs a GPU")
 
 @gpu_only
 @pytest.mark.parametrize("k", [128, 304, 512])
-# the default; one call per row; segments held whole (chunks of 2176 and
-# the candidate lists in blocks of 4096 / 8192 keys)
-@pytest.mark.parametrize("tuning", [{}, dict(chunk=0), dict(block=8192, num_warps=8)])
+# the default (segments held whole: chunks of 2048, candidate lists in
+# blocks of up to 8192 keys); one call per row; segments re-read in blocks
+# of 1024 keys
+@pytest.mark.parametrize("tuning", [{}, dict(chunk=0), dict(block=1024, num_warps=4)])
 def test_gpu_kernel_compiled_step_shape(k, tuning):
   # B 16 rows of S = 34816 (32k context), the tails past each row's length
   # masked -inf; rows of score_rows' kinds among them
