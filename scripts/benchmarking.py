@@ -399,23 +399,22 @@ def graph_mode() -> str:
   commands (`dustin_jax.config.GRAPH_FLAGS`), else "serial". In a
   concurrent graph kernels of neighbouring phases overlap, so per-phase
   sums exceed the busy time and `attribute_phases` may give a Pallas kernel
-  a neighbouring phase: for a phase breakdown, run with
-  --xla_flags=--xla_gpu_command_buffer_scheduling_mode=SERIALIZE."""
+  missing from `PALLAS_PHASE` a neighbouring phase: for a phase breakdown,
+  run with --xla_flags=--xla_gpu_command_buffer_scheduling_mode=SERIALIZE."""
   flags = os.environ.get("XLA_FLAGS", "")
   return "concurrent" if "command_buffer_scheduling_mode=CONCURRENT" in flags else "serial"
 
 
 def attribute_phases(events, phase_of: dict[str, str]) -> dict[str, float]:
   """Device microseconds per phase of GPU kernel `events` (one or more
-  whole steps, in launch order). A kernel that is not an XLA instruction
-  (a Pallas kernel is named after its function) takes the phase of the
-  kernel before it: the phases run in order, which holds in a serial graph
-  only (`graph_mode`)."""
+  whole steps), each kernel's phase by `row_phases`: a kernel that is not
+  an XLA instruction takes the phase `PALLAS_PHASE` names, else that of the
+  kernel before it on its stream. In a concurrent graph neighbouring phases
+  overlap, so the sums may exceed the busy time (`graph_mode`)."""
+  rows = timeline(events, phase_of)
   total = collections.Counter()
-  phase = "draft"
-  for e in sorted(events, key=lambda e: e["ts"]):
-    phase = phase_of.get(e["name"], phase)
-    total[phase] += e.get("dur", 0)
+  for row, phase in zip(rows, row_phases(rows)):
+    total[phase] += row[1]
   return dict(total)
 
 

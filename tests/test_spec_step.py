@@ -179,7 +179,7 @@ def test_the_step_names_its_phases_for_the_profiler(pair, rng):
   name = next(k for k, v in phase_of.items() if v == "verify")
   events = [dict(name="a_pallas_kernel", ts=0, dur=5), dict(name=name, ts=10, dur=3),
             dict(name="a_pallas_kernel", ts=20, dur=4)]
-  # an unknown kernel name takes the phase of the kernel before it
+  # an unknown kernel name takes the phase of the kernel before it on its stream
   assert attribute_phases(events, phase_of) == {"draft": 5, "verify": 7}
 
 
