@@ -15,8 +15,13 @@ Methods (one process, warm compiled steps, random weights of the real shapes):
   quest         Quest page selection, streaming draft cache
 
 `step_ms`, the basis of every speedup, times steps as the decode loops run
-them: queued back to back, the host one step ahead. Also recorded:
-`step_sync_ms` (each step waited for: + the host's dispatch), `gpu_ms` and,
+them: queued back to back, the host ahead; it is the time each further step
+of a long decode adds (the slope between `--repeats` and 3x as many queued
+steps), so the first step's dispatch, paid once per decode, is not spread
+over a few steps. Also recorded: `queued_ms` (the mean of `--repeats`
+queued steps, that dispatch included), `host_ms` (the host's time to queue
+one step), `step_sync_ms` (each step waited for: + the host's dispatch),
+`gpu_ms` and,
 for `--phase_batches`, `phase_ms` per named scope of the fused step (GPU kernel
 time, from profiler traces). A 72B target runs tensor-parallel: `--mesh_model=2`.
 
@@ -49,8 +54,9 @@ from dustin_jax.speculative.step import SpecConfig, SpecState, bind_spec_step
 from dustin_jax.vanilla import VanillaState, bind_vanilla_step
 from scripts.benchmarking import (DeviceTimer, benchmark_pairs, compile_cache_from_flag,
                                   floor_bytes, floor_time, fresh_decode_state, graph_mode,
-                                  phase_device_ms, pyplot, random_cache, random_model,
-                                  save_figure, spec_state_at, write_json)
+                                  phase_device_ms, pyplot, queued_steps, random_cache,
+                                  random_model, save_figure, spec_state_at,
+                                  steady_step_seconds, write_json)
 
 flags.DEFINE_string("out_dir", "results/h200", "where e2e.json and e2e.png go")
 flags.DEFINE_string("json_name", "e2e.json", "the JSON's file name in out_dir (the PNG's: "
@@ -88,8 +94,10 @@ SPARSE = tuple(m for m, p in POLICY.items() if p != "full")  # verify within --b
 
 
 def _time_loop(step, carry, repeats):
-  """({step_ms: per step, queued back to back with the host one step ahead
-  as in generate(); step_sync_ms: median of steps each waited for, host
+  """({step_ms: per step of a long decode, steps queued back to back with
+  the host ahead (`steady_step_seconds`); queued_ms: the mean of `repeats`
+  queued steps, the first one's dispatch included; host_ms: the host's time
+  to queue one; step_sync_ms: median of steps each waited for, host
   dispatch included; gpu_ms: GPU kernel time per step, None without a GPU},
   carry) of `step(carry) -> (carry, out)`, after two warm-up steps."""
   sync = []  # the first two steps compile and warm up: not counted
@@ -98,19 +106,13 @@ def _time_loop(step, carry, repeats):
     carry, out = step(carry)
     jax.block_until_ready(out)
     sync.append(time.perf_counter() - t0)
-  def queued(carry):
-    for _ in range(repeats):
-      carry, out = step(carry)
-    jax.block_until_ready(out)
-    return carry
-  t0 = time.perf_counter()
-  carry = queued(carry)
-  ahead = (time.perf_counter() - t0) / repeats
+  carry, ahead = steady_step_seconds(step, carry, repeats)
   with DeviceTimer() as timer:
     with timer.window("steps"):
-      carry = queued(carry)
+      carry, _, _ = queued_steps(step, carry, repeats)
   gpu = timer.ms("steps")
-  return dict(step_ms=1e3 * ahead, step_sync_ms=1e3 * statistics.median(sync[2:]),
+  return dict(step_ms=1e3 * ahead["step"], queued_ms=1e3 * ahead["queued"],
+              host_ms=1e3 * ahead["host"], step_sync_ms=1e3 * statistics.median(sync[2:]),
               gpu_ms=gpu[0] / repeats if gpu else None), carry
 
 
@@ -191,8 +193,8 @@ def bench_model(name, contexts, mesh, deadline, records, save):
   for batch in (int(b) for b in FLAGS.batches):
     for gamma in (int(g) for g in FLAGS.gammas):
       # room for the rows the timed steps commit: lengths grow from `context`
-      # over _time_loop's 2 + 3 x repeats steps (the phase timing resets them), + 4 spare
-      max_len = max_ctx + (2 + 3 * FLAGS.repeats + 4) * (gamma + 1) + 8
+      # over _time_loop's 2 + 6 x repeats steps (the phase timing resets them), + 4 spare
+      max_len = max_ctx + (2 + 6 * FLAGS.repeats + 4) * (gamma + 1) + 8
       plan = sharding.memory_plan(tcfg, dcfg, batch=batch, max_len=max_len, data=1,
                                   model=FLAGS.mesh_model, gamma=gamma,
                                   capacity=sharding.device_capacity())

@@ -167,6 +167,31 @@ def median_seconds(fn, warmup: int, repeats: int):
   return statistics.median(times), out
 
 
+def queued_steps(step, carry, n: int):
+  """(carry, wall seconds, host seconds) of `n` calls `carry, out =
+  step(carry)` queued back to back and waited for at the end, as a decode
+  loop runs them; host seconds: until the last is queued."""
+  t0 = time.perf_counter()
+  out = None
+  for _ in range(n):
+    carry, out = step(carry)
+  host = time.perf_counter() - t0
+  jax.block_until_ready(out)
+  return carry, time.perf_counter() - t0, host
+
+
+def steady_step_seconds(step, carry, n: int):
+  """(carry, {step, queued, host}: seconds per step) of `step` queued as a
+  decode loop queues it. `step` is the slope between n and 3n queued steps:
+  what each further step of a long decode adds. The wall time of a short
+  queue also holds the first step's dispatch, before the device starts
+  (`queued`: the n-step queue's mean). `host`: the host's time to queue one
+  step (above `step`, the loop is bound by the host)."""
+  carry, short, _ = queued_steps(step, carry, n)
+  carry, long, host = queued_steps(step, carry, 3 * n)
+  return carry, dict(step=(long - short) / (2 * n), queued=short / n, host=host / (3 * n))
+
+
 def write_json(path: str, obj) -> None:
   """`obj` as indented JSON at `path`, its directory made first; written
   beside it and renamed over it, so a killed run leaves the last whole file."""

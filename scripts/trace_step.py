@@ -39,8 +39,8 @@ from dustin_jax.vanilla import VanillaState, bind_vanilla_step
 from scripts.benchmarking import (attribute_phases, busy_time, compile_cache_from_flag,
                                   device_events, fresh_decode_state, graph_mode, hlo_op_names,
                                   hlo_phases, load_trace_events, plot_timeline, random_cache,
-                                  random_model, short_source, spec_state_at, time_by_source,
-                                  timeline, write_json)
+                                  random_model, short_source, spec_state_at,
+                                  steady_step_seconds, time_by_source, timeline, write_json)
 
 flags.DEFINE_string("out_dir", "results/h200", "where trace_step.json goes")
 flags.DEFINE_string("model", "qwen7b", "target + draft shapes: qwen7b, llama3_8b or qwen72b")
@@ -52,7 +52,8 @@ flags.DEFINE_integer("gamma", 4, "draft length")
 flags.DEFINE_integer("steps", 3, "profiled steps per method")
 flags.DEFINE_integer("top", 25, "kernels listed per method")
 flags.DEFINE_list("methods", ["vanilla", "dustin"], "steps profiled: vanilla and/or dustin")
-flags.DEFINE_integer("asrun_steps", 20, "steps queued back to back for step_ms (no profiler)")
+flags.DEFINE_integer("asrun_steps", 20, "steps queued back to back for step_ms (no profiler; "
+                     "the slope between this many and 3x as many, three times)")
 flags.DEFINE_string("out_name", "trace_step.json", "output file in out_dir")
 flags.DEFINE_string("xla_flags", "", "appended to XLA_FLAGS before jax starts")
 flags.DEFINE_bool("save_hlo", False, "also write the dustin step's compiled HLO text "
@@ -70,20 +71,16 @@ FLAGS = flags.FLAGS
 
 def profile(fn, steps, phase_of=None, source_of=None):
   """`fn()` runs one step and returns its output. Three measures:
-  `step_ms`, steps queued back to back with the host one step ahead (as the
-  decode loops run), without the profiler (whose per-launch tracing slows
-  the host); then, under the profiler, `steps` steps queued and waited for
+  `step_ms`, what each further step of a long decode adds, steps queued back
+  to back with the host ahead as the decode loops run them
+  (`steady_step_seconds`), without the profiler (whose per-launch tracing
+  slows the host); then, under the profiler, `steps` steps queued and waited for
   at the end: GPU time per kernel name and host time per traced host event
   (what the host does while dispatching)."""
   jax.block_until_ready(fn())  # compile + warm up
   jax.block_until_ready(fn())
-  runs = []
-  for _ in range(3):
-    t0 = time.perf_counter()
-    for _ in range(FLAGS.asrun_steps):
-      o = fn()
-    jax.block_until_ready(o)
-    runs.append((time.perf_counter() - t0) / FLAGS.asrun_steps)
+  runs = [steady_step_seconds(lambda c: (c, fn()), None, FLAGS.asrun_steps)[1]["step"]
+          for _ in range(3)]
   d = tempfile.mkdtemp(prefix="prof_step_")
   with jax.profiler.trace(d, create_perfetto_trace=True):
     t0 = time.perf_counter()
@@ -161,7 +158,7 @@ def main(argv):
     draft = draft.with_streamed_mlps()
   tcfg, dcfg = target.cfg, draft.cfg
   # lengths grow as steps commit: room for every step this script runs
-  n_steps = 2 + 3 * FLAGS.asrun_steps + FLAGS.steps
+  n_steps = 2 + 12 * FLAGS.asrun_steps + FLAGS.steps
   max_len = ctx + (n_steps + 2) * (FLAGS.gamma + 1) + 8
   out = {"device": jax.devices()[0].device_kind, "devices": FLAGS.mesh_model,
          "model": FLAGS.model, "draft_mlp": draft_mlp, "batch": b, "context": ctx, "gamma": FLAGS.gamma,
@@ -197,7 +194,7 @@ def main(argv):
     print(json.dumps({"dustin": brief(out["dustin"])}), flush=True)
   write_json(os.path.join(FLAGS.out_dir, FLAGS.out_name), out)
   for m in FLAGS.methods:
-    print(f"\n{m}: step {out[m]['step_ms']:.2f} ms (host one step ahead), GPU busy "
+    print(f"\n{m}: step {out[m]['step_ms']:.2f} ms (steps queued), GPU busy "
           f"{out[m]['gpu_busy_ms']:.2f} ms, {out[m]['launches']} launches")
     if out[m]["phase_ms"]:
       print("  per phase (ms): " + "  ".join(f"{k} {v:.2f}" for k, v in out[m]["phase_ms"].items())

@@ -106,3 +106,28 @@ def test_floor_time_at_the_devices_copy_bandwidth():
   cpu = dict(device="cpu", floor_bytes={"verify": 3e9}, step_ms=2.0)
   floor_time(cpu)
   assert "floor_ms" not in cpu and "floor_share" not in cpu
+
+
+def test_steady_step_excludes_the_first_dispatch_of_a_queue():
+  """Steps whose queue pays a one-time start (as a device pays the first
+  step's dispatch) cost their per-step time in `step`, and that time plus
+  the start spread over n steps in `queued`."""
+  import time
+
+  import jax.numpy as jnp
+
+  from scripts.benchmarking import steady_step_seconds
+  per_step, start, n = 0.004, 0.06, 4
+  calls = []
+
+  def step(carry):  # the first call of each of the two queues (n, then 3n steps) pays the start
+    time.sleep(per_step + (start if len(calls) in (0, n) else 0.0))
+    calls.append(carry)
+    return carry + 1, jnp.asarray(carry)
+
+  jnp.asarray(0).block_until_ready()  # the first transfer's one-time setup, before the timing
+  carry, t = steady_step_seconds(step, 0, n)
+  assert carry == len(calls) == 4 * n
+  assert abs(t["step"] - per_step) < 0.5 * per_step
+  assert abs(t["queued"] - (per_step + start / n)) < 0.5 * per_step
+  assert t["host"] >= per_step
