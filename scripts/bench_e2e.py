@@ -16,9 +16,9 @@ Methods (one process, warm compiled steps, random weights of the real shapes):
 
 `step_ms`, the basis of every speedup, times steps as the decode loops run
 them: queued back to back, the host ahead; it is the time each further step
-of a long decode adds (the slope between `--repeats` and 3x as many queued
-steps), so the first step's dispatch, paid once per decode, is not spread
-over a few steps. Also recorded: `queued_ms` (the mean of `--repeats`
+of a long decode adds (the slope between the fastest of three queues of
+`--repeats` and of 3x as many steps), so the first step's dispatch, paid
+once per decode, is not spread over a few steps. Also recorded: `queued_ms` (the mean of `--repeats`
 queued steps, that dispatch included), `host_ms` (the host's time to queue
 one step), `step_sync_ms` (each step waited for: + the host's dispatch),
 `gpu_ms` and,
@@ -193,8 +193,8 @@ def bench_model(name, contexts, mesh, deadline, records, save):
   for batch in (int(b) for b in FLAGS.batches):
     for gamma in (int(g) for g in FLAGS.gammas):
       # room for the rows the timed steps commit: lengths grow from `context`
-      # over _time_loop's 2 + 6 x repeats steps (the phase timing resets them), + 4 spare
-      max_len = max_ctx + (2 + 6 * FLAGS.repeats + 4) * (gamma + 1) + 8
+      # over _time_loop's 2 + 14 x repeats steps (the phase timing resets them), + 4 spare
+      max_len = max_ctx + (2 + 14 * FLAGS.repeats + 4) * (gamma + 1) + 8
       plan = sharding.memory_plan(tcfg, dcfg, batch=batch, max_len=max_len, data=1,
                                   model=FLAGS.mesh_model, gamma=gamma,
                                   capacity=sharding.device_capacity())

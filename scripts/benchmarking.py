@@ -180,16 +180,25 @@ def queued_steps(step, carry, n: int):
   return carry, time.perf_counter() - t0, host
 
 
-def steady_step_seconds(step, carry, n: int):
+def steady_step_seconds(step, carry, n: int, pairs: int = 3):
   """(carry, {step, queued, host}: seconds per step) of `step` queued as a
   decode loop queues it. `step` is the slope between n and 3n queued steps:
   what each further step of a long decode adds. The wall time of a short
   queue also holds the first step's dispatch, before the device starts
   (`queued`: the n-step queue's mean). `host`: the host's time to queue one
-  step (above `step`, the loop is bound by the host)."""
-  carry, short, _ = queued_steps(step, carry, n)
-  carry, long, host = queued_steps(step, carry, 3 * n)
-  return carry, dict(step=(long - short) / (2 * n), queued=short / n, host=host / (3 * n))
+  step (above `step`, the loop is bound by the host). Each queue length is
+  timed `pairs` times and its fastest run kept: noise only adds time, and a
+  slope of single runs can come out below zero when a step is short against
+  the noise."""
+  short, long, host = [], [], []
+  for _ in range(pairs):
+    carry, t, _ = queued_steps(step, carry, n)
+    short.append(t)
+    carry, t, h = queued_steps(step, carry, 3 * n)
+    long.append(t)
+    host.append(h)
+  short, long = min(short), min(long)
+  return carry, dict(step=(long - short) / (2 * n), queued=short / n, host=min(host) / (3 * n))
 
 
 def write_json(path: str, obj) -> None:

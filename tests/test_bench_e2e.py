@@ -13,8 +13,10 @@ def test_bench_e2e_smoke_schema(tmp_path):
   tau.write_text(json.dumps([{"policy": "full", "gamma": 2, "budget": 0, "tau": 2.5,
                               "source": "test", "context": 64},
                              {"policy": "dustin", "gamma": 2, "budget": 32, "tau": 2.0}]))
+  # --repeats=2: step_ms is a slope between queues of 2 and 6 steps, each
+  # tiny CPU step well under a millisecond: one step's queue is within the noise
   argv = [sys.executable, "-m", "scripts.bench_e2e", "--smoke", "--models=tiny", f"--out_dir={tmp_path}", "--batches=2",
-          "--gammas=2", "--repeats=1", "--budget=32", "--n_sink=4", "--n_window=8", "--m=8", f"--tau_json={tau}",
+          "--gammas=2", "--repeats=2", "--budget=32", "--n_sink=4", "--n_window=8", "--m=8", f"--tau_json={tau}",
           "--methods=vanilla,sd_full,dustin,dustin_draft"]
   p = subprocess.run(argv, capture_output=True, text=True, timeout=600)
   assert p.returncode == 0, p.stderr[-2000:]
@@ -47,7 +49,7 @@ def test_bench_e2e_shards_the_step_over_a_mesh(tmp_path):
   tau = tmp_path / "tau.json"
   tau.write_text(json.dumps([{"policy": "dustin", "gamma": 2, "budget": 32, "tau": 2.0}]))
   argv = [sys.executable, "-m", "scripts.bench_e2e", "--smoke", "--models=tiny",
-          f"--out_dir={tmp_path}", "--batches=2", "--gammas=2", "--repeats=1", "--budget=32",
+          f"--out_dir={tmp_path}", "--batches=2", "--gammas=2", "--repeats=2", "--budget=32",
           "--n_sink=4", "--n_window=8", "--m=8", f"--tau_json={tau}", "--methods=vanilla,dustin",
           "--phase_batches=none", "--mesh_model=4", "--json_name=mesh4.json"]
   env = dict(os.environ, XLA_FLAGS=xla_flags(4), JAX_PLATFORMS="cpu")
@@ -120,14 +122,37 @@ def test_steady_step_excludes_the_first_dispatch_of_a_queue():
   per_step, start, n = 0.004, 0.06, 4
   calls = []
 
-  def step(carry):  # the first call of each of the two queues (n, then 3n steps) pays the start
-    time.sleep(per_step + (start if len(calls) in (0, n) else 0.0))
+  def step(carry):  # the first call of each queue (n, then 3n steps, three times) pays the start
+    time.sleep(per_step + (start if len(calls) % (4 * n) in (0, n) else 0.0))
     calls.append(carry)
     return carry + 1, jnp.asarray(carry)
 
   jnp.asarray(0).block_until_ready()  # the first transfer's one-time setup, before the timing
   carry, t = steady_step_seconds(step, 0, n)
-  assert carry == len(calls) == 4 * n
+  assert carry == len(calls) == 3 * 4 * n
   assert abs(t["step"] - per_step) < 0.5 * per_step
   assert abs(t["queued"] - (per_step + start / n)) < 0.5 * per_step
   assert t["host"] >= per_step
+
+
+def test_steady_step_keeps_each_queue_length_fastest_run():
+  """A queue slowed by noise (here the first short and the second long
+  queue) does not move `step`: each length's fastest run is kept, where the
+  slope of the first pair alone would come out below zero."""
+  import time
+
+  import jax.numpy as jnp
+
+  from scripts.benchmarking import steady_step_seconds
+  per_step, noise, n = 0.004, 0.05, 2  # the first pair's slope: (0.024 - 0.058) / 4 < 0
+  slowed = {0, 4 * n + n}  # first calls of the first short and of the second long queue
+  calls = []
+
+  def step(carry):
+    time.sleep(per_step + (noise if len(calls) in slowed else 0.0))
+    calls.append(carry)
+    return carry + 1, jnp.asarray(carry)
+
+  jnp.asarray(0).block_until_ready()
+  _, t = steady_step_seconds(step, 0, n)
+  assert abs(t["step"] - per_step) < 0.5 * per_step

@@ -20,7 +20,7 @@ def test_trace_step_profiles_both_steps_over_a_mesh(tmp_path):
   out = json.loads((tmp_path / "trace_step.json").read_text())
   assert out["devices"] == 2 and out["model"] == "qwen7b"
   for method in ("vanilla", "dustin"):
-    assert out[method]["step_ms"] > 0 and len(out[method]["step_ms_runs"]) == 3
+    assert out[method]["step_ms"] > 0
     # the sharded target all-reduces: the host events of the trace show them
     assert any("all-reduce" in e["event"] for e in out[method]["host"])
 
