@@ -18,8 +18,8 @@ Methods (one process, warm compiled steps, random weights of the real shapes):
 them: queued back to back, the host ahead; it is the time each further step
 of a long decode adds (the slope between the fastest of three queues of
 `--repeats` and of 3x as many steps), so the first step's dispatch, paid
-once per decode, is not spread over a few steps. Also recorded: `queued_ms` (the mean of `--repeats`
-queued steps, that dispatch included), `host_ms` (the host's time to queue
+once per decode, is not spread over a few steps. Also recorded:
+`queued_ms` (the mean of `--repeats` queued steps, that dispatch included), `host_ms` (the host's time to queue
 one step), `step_sync_ms` (each step waited for: + the host's dispatch),
 `gpu_ms` and,
 for `--phase_batches`, `phase_ms` per named scope of the fused step (GPU kernel
@@ -56,7 +56,7 @@ from scripts.benchmarking import (DeviceTimer, benchmark_pairs, compile_cache_fr
                                   floor_bytes, floor_time, fresh_decode_state, graph_mode,
                                   phase_device_ms, pyplot, queued_steps, random_cache,
                                   random_model, save_figure, spec_state_at,
-                                  steady_step_seconds, write_json)
+                                  steady_step_count, steady_step_seconds, write_json)
 
 flags.DEFINE_string("out_dir", "results/h200", "where e2e.json and e2e.png go")
 flags.DEFINE_string("json_name", "e2e.json", "the JSON's file name in out_dir (the PNG's: "
@@ -194,8 +194,10 @@ def bench_model(name, contexts, mesh, deadline, records, save):
   for batch in (int(b) for b in FLAGS.batches):
     for gamma in (int(g) for g in FLAGS.gammas):
       # room for the rows the timed steps commit: lengths grow from `context`
-      # over _time_loop's 2 + 14 x repeats steps (the phase timing resets them), + 4 spare
-      max_len = max_ctx + (2 + 14 * FLAGS.repeats + 4) * (gamma + 1) + 8
+      # over _time_loop's steps (2 + 2 x repeats + the steady measurement's;
+      # the phase timing resets them), + 4 spare
+      timed = 2 + 2 * FLAGS.repeats + steady_step_count(FLAGS.repeats)
+      max_len = max_ctx + (timed + 4) * (gamma + 1) + 8
       plan = sharding.memory_plan(tcfg, dcfg, batch=batch, max_len=max_len, data=1,
                                   model=FLAGS.mesh_model, gamma=gamma,
                                   capacity=sharding.device_capacity())

@@ -180,7 +180,16 @@ def queued_steps(step, carry, n: int):
   return carry, time.perf_counter() - t0, host
 
 
-def steady_step_seconds(step, carry, n: int, pairs: int = 3):
+STEADY_PAIRS = 3  # timed runs of each queue length in `steady_step_seconds`
+
+
+def steady_step_count(n: int, pairs: int = STEADY_PAIRS) -> int:
+  """How many steps `steady_step_seconds(..., n, pairs)` queues (callers
+  size their caches for the rows those steps commit)."""
+  return pairs * (n + 3 * n)
+
+
+def steady_step_seconds(step, carry, n: int, pairs: int = STEADY_PAIRS):
   """(carry, {step, queued, host}: seconds per step) of `step` queued as a
   decode loop queues it. `step` is the slope between n and 3n queued steps:
   what each further step of a long decode adds. The wall time of a short

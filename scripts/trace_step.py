@@ -40,7 +40,8 @@ from scripts.benchmarking import (attribute_phases, busy_time, compile_cache_fro
                                   device_events, fresh_decode_state, graph_mode, hlo_op_names,
                                   hlo_phases, load_trace_events, plot_timeline, random_cache,
                                   random_model, short_source, spec_state_at,
-                                  steady_step_seconds, time_by_source, timeline, write_json)
+                                  steady_step_count, steady_step_seconds, time_by_source,
+                                  timeline, write_json)
 
 flags.DEFINE_string("out_dir", "results/h200", "where trace_step.json goes")
 flags.DEFINE_string("model", "qwen7b", "target + draft shapes: qwen7b, llama3_8b or qwen72b")
@@ -156,7 +157,7 @@ def main(argv):
     draft = draft.with_streamed_mlps()
   tcfg, dcfg = target.cfg, draft.cfg
   # lengths grow as steps commit: room for every step this script runs
-  n_steps = 2 + 12 * FLAGS.asrun_steps + FLAGS.steps  # steady_step_seconds: 3 x (n + 3n)
+  n_steps = 2 + steady_step_count(FLAGS.asrun_steps) + FLAGS.steps
   max_len = ctx + (n_steps + 2) * (FLAGS.gamma + 1) + 8
   out = {"device": jax.devices()[0].device_kind, "devices": FLAGS.mesh_model,
          "model": FLAGS.model, "draft_mlp": draft_mlp, "batch": b, "context": ctx, "gamma": FLAGS.gamma,

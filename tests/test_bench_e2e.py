@@ -118,7 +118,7 @@ def test_steady_step_excludes_the_first_dispatch_of_a_queue():
 
   import jax.numpy as jnp
 
-  from scripts.benchmarking import steady_step_seconds
+  from scripts.benchmarking import steady_step_count, steady_step_seconds
   per_step, start, n = 0.004, 0.06, 4
   calls = []
 
@@ -129,7 +129,7 @@ def test_steady_step_excludes_the_first_dispatch_of_a_queue():
 
   jnp.asarray(0).block_until_ready()  # the first transfer's one-time setup, before the timing
   carry, t = steady_step_seconds(step, 0, n)
-  assert carry == len(calls) == 3 * 4 * n
+  assert carry == len(calls) == 3 * 4 * n == steady_step_count(n)
   assert abs(t["step"] - per_step) < 0.5 * per_step
   assert abs(t["queued"] - (per_step + start / n)) < 0.5 * per_step
   assert t["host"] >= per_step
