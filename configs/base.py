@@ -44,7 +44,9 @@ def base_config() -> ml_collections.ConfigDict:
   c.draft_sink = 16
   c.draft_window = 496
   c.draft_mlp = "auto"            # the draft's MLPs: auto | xla | kernel (one kernel per layer
-                                  # pass, Hopper, one device; auto: wherever it runs)
+                                  # pass, Hopper, one device) | kernel_prefetch (the kernel,
+                                  # sending the next layer's q/k/v and o to L2); auto:
+                                  # kernel_prefetch wherever it runs
 
   c.selection = ml_collections.ConfigDict()
   # which KV rows the target verifies against (dustin_jax.selection.policies)

@@ -37,22 +37,30 @@ class Model(NamedTuple):
     module.fold_norm_weights()
     return Model(self.cfg, *nnx.split(module))
 
-  def with_streamed_mlps(self) -> "Model":
+  def with_streamed_mlps(self, prefetch_next_layer: bool = False) -> "Model":
     """This model with each MLP kept in the layout of the one-kernel MLP
     (`Decoder.stream_mlps`)."""
     module = nnx.merge(self.graphdef, self.state)
-    module.stream_mlps()
+    module.stream_mlps(prefetch_next_layer)
     return Model(self.cfg, *nnx.split(module))
 
+  def with_draft_mlp(self, mode: str) -> "Model":
+    """This model as a draft whose MLPs run as `mode` says (a resolved
+    mode of `resolve_draft_mlp`)."""
+    if mode == "xla":
+      return self
+    return self.with_streamed_mlps(prefetch_next_layer=mode == "kernel_prefetch")
 
-DRAFT_MLPS = ("auto", "xla", "kernel")
+
+DRAFT_MLPS = ("auto", "xla", "kernel", "kernel_prefetch")
 
 
 def resolve_draft_mlp(mode: str, cfg: ModelConfig, mesh=None) -> str:
   """How a draft's MLPs run: "kernel" (one kernel per layer pass,
   `kernels.swiglu_mlp`: a Hopper GPU, one device, hidden size a multiple of
-  128, intermediate size of 64, bf16 / f16) or "xla" (its GEMMs); "auto":
-  the kernel wherever it can run."""
+  128, intermediate size of 64, bf16 / f16), "kernel_prefetch" (that
+  kernel, which also sends the next layer's q/k/v and o to L2) or "xla"
+  (its GEMMs); "auto": "kernel_prefetch" wherever the kernel can run."""
   from kernels.common import is_hopper
   if mode not in DRAFT_MLPS:
     raise ValueError(f"draft_mlp must be one of {DRAFT_MLPS}, got {mode!r}")
@@ -60,10 +68,10 @@ def resolve_draft_mlp(mode: str, cfg: ModelConfig, mesh=None) -> str:
                 and cfg.dtype in ("bfloat16", "float16"))
   one_device = mesh is None or mesh.devices.size == 1
   if mode == "auto":
-    return "kernel" if shapes_fit and one_device and is_hopper() else "xla"
-  if mode == "kernel" and not (shapes_fit and one_device):
+    return "kernel_prefetch" if shapes_fit and one_device and is_hopper() else "xla"
+  if mode.startswith("kernel") and not (shapes_fit and one_device):
     raise ValueError(
-        "draft_mlp='kernel' runs on one device with hidden_size % 128 == 0, "
+        f"draft_mlp={mode!r} runs on one device with hidden_size % 128 == 0, "
         f"intermediate_size % 64 == 0 and a 16-bit dtype; this draft has hidden_size="
         f"{cfg.hidden_size}, intermediate_size={cfg.intermediate_size}, dtype={cfg.dtype}"
         f"{'' if one_device else ' and a mesh of several devices'}: use 'xla' or 'auto'")

@@ -438,8 +438,8 @@ def build(c) -> Run:
                      prompt_len=bucket_len(max(len(p) for p in prompts), c.max_len))
   target, _ = load_model(c.target, c, "target", mesh)
   draft = load_model(c.draft, c, "draft", mesh)[0] if speculative else None
-  if speculative and resolve_draft_mlp(c.draft_mlp, draft.cfg, mesh) == "kernel":
-    draft = draft.with_streamed_mlps()
+  if speculative:
+    draft = draft.with_draft_mlp(resolve_draft_mlp(c.draft_mlp, draft.cfg, mesh))
   eos = eos_ids(tokenizer, target.cfg)
   # plain decoding verifies nothing
   policy = make_policy(c, target.cfg, draft.cfg) if speculative else FullCache()

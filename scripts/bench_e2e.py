@@ -188,7 +188,7 @@ def bench_model(name, contexts, mesh, deadline, records, save):
   drafts = {}  # the same weights in each
   for mode in dict.fromkeys(resolve_draft_mlp(m, dcfg, mesh) for m in FLAGS.draft_mlps):
     draft = random_model(dcfg, 1, dmesh)
-    drafts[mode] = draft.with_streamed_mlps() if mode == "kernel" else draft
+    drafts[mode] = draft.with_draft_mlp(mode)
   tcfg, dcfg = target.cfg, draft.cfg
   max_ctx = max(contexts)
   for batch in (int(b) for b in FLAGS.batches):

@@ -32,7 +32,7 @@ import jax
 from configs import shapes
 from dustin_jax import sharding
 from dustin_jax.config import ModelConfig, append_xla_flags
-from dustin_jax.decoding import resolve_draft_mlp
+from dustin_jax.decoding import DRAFT_MLPS, resolve_draft_mlp
 from dustin_jax.selection.policies import policy_from_config
 from dustin_jax.speculative.step import SpecConfig, bind_spec_step
 from dustin_jax.vanilla import VanillaState, bind_vanilla_step
@@ -59,7 +59,7 @@ flags.DEFINE_string("out_name", "trace_step.json", "output file in out_dir")
 flags.DEFINE_string("xla_flags", "", "appended to XLA_FLAGS before jax starts")
 flags.DEFINE_bool("save_hlo", False, "also write the dustin step's compiled HLO text "
                   "(<out_name>.hlo.txt.gz): what each fused kernel computes")
-flags.DEFINE_enum("draft_mlp", "auto", ["auto", "xla", "kernel"], "the draft's MLPs: XLA's "
+flags.DEFINE_enum("draft_mlp", "auto", list(DRAFT_MLPS), "the draft's MLPs: XLA's "
                   "GEMMs, one kernel per layer pass (kernels.swiglu_mlp, Hopper) or auto "
                   "(the kernel wherever it runs, as the CLI)")
 flags.DEFINE_bool("timeline", False, "also write the dustin steps' kernels in start order "
@@ -153,8 +153,7 @@ def main(argv):
   dcfg = ModelConfig.from_hf(dict(dhf), dtype="bfloat16", num_layers=layers)
   target, draft = random_model(tcfg, 0, mesh), random_model(dcfg, 1, dmesh)
   draft_mlp = resolve_draft_mlp(FLAGS.draft_mlp, dcfg, mesh)
-  if draft_mlp == "kernel":
-    draft = draft.with_streamed_mlps()
+  draft = draft.with_draft_mlp(draft_mlp)
   tcfg, dcfg = target.cfg, draft.cfg
   # lengths grow as steps commit: room for every step this script runs
   n_steps = 2 + steady_step_count(FLAGS.asrun_steps) + FLAGS.steps

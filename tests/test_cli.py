@@ -155,7 +155,8 @@ def _refused(*overrides, config="configs/tiny.py"):
     ("--config.selection.polcy=dustin", 'Did you mean "policy"'),
     ("--config.selection.budget=8", "selection.budget=8 is smaller than"),
     ("--config.mem_fraction=1.5", "mem_fraction=1.5 must be in (0, 1]"),
-    ("--config.draft_mlp=fused", "draft_mlp must be one of ('auto', 'xla', 'kernel')"),
+    ("--config.draft_mlp=fused",
+     "draft_mlp must be one of ('auto', 'xla', 'kernel', 'kernel_prefetch')"),
     # the tiny draft: hidden size 64, f32
     ("--config.draft_mlp=kernel", "draft_mlp='kernel' runs on one device with hidden_size % 128"),
 ])

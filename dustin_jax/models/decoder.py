@@ -250,16 +250,17 @@ class MLP(nnx.Module):
     gate_up = self.gate_up_proj(x).reshape(x.shape[:-1] + (-1, 2))
     return self.down_proj(jax.nn.silu(gate_up[..., 0]) * gate_up[..., 1])
 
-  def add_to(self, residual, x, impl="auto"):
+  def add_to(self, residual, x, impl="auto", prefetch=()):
     """`residual + self(x)`; with streamed weights one kernel (the sum in
-    f32, rounded once), its reference beyond the kernel's row count."""
+    f32, rounded once), its reference beyond the kernel's row count. The
+    kernel sends the `prefetch` arrays to L2 when it is done."""
     if self.streamed is None:
       return residual + self(x)
     rows = x.reshape(-1, x.shape[-1])
     if not swiglu_mlp_ops.fits(*rows.shape, rows.dtype):
       impl = "reference"
     out = swiglu_mlp_ops.swiglu_mlp(rows, self.streamed[...], residual.reshape(rows.shape),
-                                    impl=impl)
+                                    prefetch=prefetch, impl=impl)
     return out.astype(residual.dtype).reshape(residual.shape)
 
 
@@ -278,23 +279,28 @@ class Block(nnx.Module):
     """(q, k, v) of the residual stream `x` [B, T, d] (see Attention.qkv)."""
     return self.self_attn.qkv(self.input_layernorm(x), cos, sin)
 
-  def finish(self, x, attn, impl="auto"):
+  def finish(self, x, attn, impl="auto", prefetch=()):
     """The residual stream after this layer, from its input `x` [B, T, d]
-    and the attention output `attn` [B, T, Hq, D]."""
+    and the attention output `attn` [B, T, Hq, D]; `prefetch`: see
+    `MLP.add_to`."""
     x = x + self.self_attn.out(attn)
-    return self.mlp.add_to(x, self.post_attention_layernorm(x), impl)
+    return self.mlp.add_to(x, self.post_attention_layernorm(x), impl, prefetch)
+
+  def attention_weights(self):
+    """The q/k/v and o matrices, in the order a decode step reads them."""
+    return self.self_attn.qkv_proj.kernel[...], self.self_attn.o_proj.kernel[...]
 
   def __call__(self, x, cos, sin, k_cache, v_cache, lengths, kv_indices, impl, mesh,
-               window=None):
+               window=None, prefetch=()):
     if window is not None or kv_indices is not None:
       return self.packed_call(x, cos, sin, k_cache, v_cache, lengths, impl, mesh,
-                              window=window, kv_indices=kv_indices)
+                              window=window, kv_indices=kv_indices, prefetch=prefetch)
     q, k, v = self.qkv(x, cos, sin)
     out, k_cache, v_cache = attention(q, k, v, k_cache, v_cache, lengths, impl, mesh)
-    return self.finish(x, out, impl), k_cache, v_cache, q
+    return self.finish(x, out, impl, prefetch), k_cache, v_cache, q
 
   def packed_call(self, x, cos, sin, k_cache, v_cache, lengths, impl, mesh, *, window,
-                  kv_indices):
+                  kv_indices, prefetch=()):
     """The layer over a subset of the cache (a streaming draft's window or a
     sparse verification's rows): the attention is one kernel
     (`packed_attention`) fed by the packed q/k/v projection."""
@@ -304,10 +310,10 @@ class Block(nnx.Module):
     # the roped queries only where a caller taps them (XLA drops them elsewhere)
     r = qkv.shape[3] - 2
     q = qkv[:, :, :, :r].reshape(*x.shape[:2], -1, qkv.shape[-1])
-    return self.finish(x, out, impl), k_cache, v_cache, apply_rope(q, cos, sin)
+    return self.finish(x, out, impl, prefetch), k_cache, v_cache, apply_rope(q, cos, sin)
 
 
-def run_block(layer: Block, *args, impl, mesh, window=None):
+def run_block(layer: Block, *args, impl, mesh, window=None, prefetch=()):
   """`layer(*args, impl, mesh)` through one jitted function shared by every
   layer. Why: jit traces and lowers a function once per distinct argument
   shape, so a step with ~150 layer applications (every layer of the target,
@@ -315,12 +321,12 @@ def run_block(layer: Block, *args, impl, mesh, window=None):
   instead of ~150; XLA inlines the calls, so the compiled program is the
   one an inline loop would give."""
   graphdef, state = nnx.split(layer)
-  return _block(graphdef, state, *args, impl=impl, mesh=mesh, window=window)
+  return _block(graphdef, state, prefetch, *args, impl=impl, mesh=mesh, window=window)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "impl", "mesh", "window"))
-def _block(graphdef, state, *args, impl, mesh, window):
-  return nnx.merge(graphdef, state)(*args, impl, mesh, window)
+def _block(graphdef, state, prefetch, *args, impl, mesh, window):
+  return nnx.merge(graphdef, state)(*args, impl, mesh, window, prefetch)
 
 
 class Decoder(nnx.Module):
@@ -334,6 +340,8 @@ class Decoder(nnx.Module):
     self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
     self.lm_head = (None if cfg.tie_embeddings else
                     Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype, rngs=rngs))
+    # whether a layer's MLP kernel sends the next layer's q/k/v and o to L2 (`stream_mlps`)
+    self.prefetch_next_layer = False
 
   def __call__(self, tokens: jax.Array, cache: KVCache, *,
                kv_indices: jax.Array | None = None, window: tuple[int, int] | None = None,
@@ -354,8 +362,12 @@ class Decoder(nnx.Module):
     x = jnp.take(self.embed_tokens[...], tokens, axis=0)
     taps = {}
     for i, layer in enumerate(self.layers):
+      prefetch = ()
+      if self.prefetch_next_layer and i + 1 < len(self.layers):
+        prefetch = self.layers[i + 1].attention_weights()
       x, k, v, q = run_block(layer, x, cos, sin, cache.k[i], cache.v[i], cache.lengths,
-                             kv_indices, impl=impl, mesh=mesh, window=window)
+                             kv_indices, impl=impl, mesh=mesh, window=window,
+                             prefetch=prefetch)
       cache = cache.with_layer(i, k, v)
       if i in tap_layers:
         taps[i] = q
@@ -370,11 +382,16 @@ class Decoder(nnx.Module):
       layer.input_layernorm.fold_into(layer.self_attn.qkv_proj)
       layer.post_attention_layernorm.fold_into(layer.mlp.gate_up_proj)
 
-  def stream_mlps(self):
+  def stream_mlps(self, prefetch_next_layer: bool = False):
     """Every layer's MLP as one kernel at decode rows (`MLP.stream`; Hopper:
-    TMA, WGMMA), its weights kept in that kernel's layout only."""
+    TMA, WGMMA), its weights kept in that kernel's layout only. With
+    `prefetch_next_layer` each layer's kernel sends the next layer's q/k/v
+    and o matrices to L2: at a few rows their GEMMs are bound by latency,
+    not bandwidth, and loads from L2 arrive sooner. (The next MLP's own
+    26 MB, prefetched too, cost its kernel more than they saved.)"""
     for layer in self.layers:
       layer.mlp.stream()
+    self.prefetch_next_layer = prefetch_next_layer
 
   def logits(self, hidden: jax.Array) -> jax.Array:
     """f32 logits [..., vocab] of final hidden states."""

@@ -59,6 +59,8 @@ from kernels.swiglu_mlp.reference import BLOCK, TILE_COLS
 ROWS = 64  # WGMMA's row operand per warpgroup
 STAGES = 6  # weight slots in flight (see the module docstring)
 SMEM_BYTES = 227 * 1024
+PREFETCH_COLS = 128  # a prefetched array is viewed as rows of this many elements
+PREFETCH_ROWS = 256  # rows per L2 prefetch (TMA's largest box side)
 
 
 def interpret_params():
@@ -83,19 +85,53 @@ def smem_bytes(*, itemsize: int, stages: int) -> int:
           + 2 * ROWS * BLOCK * 4)
 
 
+def prefetch_boxes(n: int, programs: int, p):
+  """The first rows of program p's prefetch boxes over an array of n rows,
+  and the box's row count (<= PREFETCH_ROWS): about n / programs rows a
+  program, the last boxes clamped to end at the array's end."""
+  rows = pl.cdiv(n, programs)
+  boxes = pl.cdiv(rows, PREFETCH_ROWS)
+  box = min(pl.cdiv(rows, boxes), n)
+  return [jnp.minimum(p * rows + i * box, n - box) for i in range(boxes)], box
+
+
+def _prefetch_to_l2(refs, p, programs: int):
+  """Program p's share of each [N, PREFETCH_COLS] array in `refs`, sent to
+  L2 by TMA prefetches: hints that change no value, and that the program
+  does not wait for."""
+  for ref in refs:
+    starts, box = prefetch_boxes(ref.shape[0], programs, p)
+    for start in starts:
+      plgpu.async_prefetch(ref.at[pl.ds(start, box)])
+
+
 @functools.partial(jax.jit, static_argnames=("stages", "interpret"))
-def swiglu_mlp_gpu(x, w_stream, residual, *, stages: int = STAGES, interpret: bool = False):
+def swiglu_mlp_gpu(x, w_stream, residual, prefetch=(), *, stages: int = STAGES,
+                   interpret: bool = False):
   """See ``reference.py`` for the contract; ``ops.swiglu_mlp`` checks the
-  shapes and pads the rows to a multiple of 8. Returns [M, D] f32."""
+  shapes and pads the rows to a multiple of 8. Returns [M, D] f32.
+
+  `prefetch`: [N, PREFETCH_COLS] arrays (the next layer's weights) that the
+  programs send to L2 as they start, spread over them, so that the kernels
+  which read them after this one find them there (not in interpret mode,
+  which has no prefetches). A program's prefetches go out before its own
+  loads: issued at its end instead, they lengthened the kernel by as much
+  as they saved the next kernels (results/h200/README.md)."""
   m, d = x.shape
   programs = w_stream.shape[0]
   itemsize = jnp.dtype(x.dtype).itemsize
   gate_up_steps = d // BLOCK
   down_steps = d // TILE_COLS
   steps = gate_up_steps + down_steps
+  prefetch = () if interpret else tuple(prefetch)
 
-  def body(x_gmem, w_gmem, out_gmem):
+  def body(x_gmem, w_gmem, *refs):
+    *prefetch_refs, out_gmem = refs
     p = lax.axis_index("p")
+    if prefetch_refs:
+      @pl.when(lax.axis_index("wg") == 0)
+      def _prefetch():
+        _prefetch_to_l2(prefetch_refs, p, programs)
 
     def down_tile(s):  # program p's down steps from column tile p on
       return (s - gate_up_steps + p) % down_steps
@@ -180,5 +216,6 @@ def swiglu_mlp_gpu(x, w_stream, residual, *, stages: int = STAGES, interpret: bo
   # the residual's f32 copy is the buffer the programs add into: a Ref
   # argument of the kernel is aliased in and out
   out = jax.new_ref(residual.astype(jnp.float32))
-  pl.kernel(body, out_type=(), mesh=plgpu.Mesh(**mesh), compiler_params=params)(x, w_stream, out)
+  pl.kernel(body, out_type=(), mesh=plgpu.Mesh(**mesh), compiler_params=params)(
+      x, w_stream, *prefetch, out)
   return out[...]

@@ -6,7 +6,8 @@ import jax
 import jax.numpy as jnp
 
 from kernels import common
-from kernels.swiglu_mlp.gpu import ROWS, SMEM_BYTES, STAGES, smem_bytes, swiglu_mlp_gpu
+from kernels.swiglu_mlp.gpu import (PREFETCH_COLS, ROWS, SMEM_BYTES, STAGES, smem_bytes,
+                                    swiglu_mlp_gpu)
 from kernels.swiglu_mlp.reference import BLOCK, TILE_COLS, swiglu_mlp_reference
 
 
@@ -17,13 +18,16 @@ def fits(m: int, d: int, dtype, stages: int = STAGES) -> bool:
           and smem_bytes(itemsize=jnp.dtype(dtype).itemsize, stages=stages) <= SMEM_BYTES)
 
 
-def swiglu_mlp(x, w_stream, residual, *, impl: str = "auto", stages: int = STAGES,
-               interpret: bool = False) -> jax.Array:
+def swiglu_mlp(x, w_stream, residual, *, prefetch=(), impl: str = "auto",
+               stages: int = STAGES, interpret: bool = False) -> jax.Array:
   """``residual + (silu(x @ gate) * (x @ up)) @ down`` in f32 for x [M, D],
   M <= 64 rows, the weights packed by `reference.stream_layout`.
 
   impl: "auto" (the Mosaic GPU kernel on a Hopper GPU, else the reference),
   "gpu" (Hopper: TMA, WGMMA) or "reference". `stages`: weight tiles in flight.
+  `prefetch`: arrays the kernel sends to L2 when its work is done (e.g. the
+  next layer's weights); a hint with no effect on the result, taken by the
+  GPU kernel for arrays whose size is a multiple of 128 elements.
   """
   if x.ndim != 2 or residual.shape != x.shape:
     raise ValueError(f"x and residual must both be [M, D], got {x.shape} and {residual.shape}")
@@ -48,6 +52,8 @@ def swiglu_mlp(x, w_stream, residual, *, impl: str = "auto", stages: int = STAGE
                      f"{stages} x and weight tiles in {SMEM_BYTES} B of shared memory "
                      f"({need} B needed), got [M, D] = {x.shape}")
   pad = ((0, common.round_up(m, 8) - m), (0, 0))  # TMA stores rows in tiles of 8
-  out = swiglu_mlp_gpu(jnp.pad(x, pad), w_stream, jnp.pad(residual, pad), stages=stages,
-                       interpret=interpret)
+  # a row-major array viewed as [N, 128] is the same buffer (no copy)
+  prefetch = tuple(a.reshape(-1, PREFETCH_COLS) for a in prefetch if a.size % PREFETCH_COLS == 0)
+  out = swiglu_mlp_gpu(jnp.pad(x, pad), w_stream, jnp.pad(residual, pad), prefetch,
+                       stages=stages, interpret=interpret)
   return out[:m]

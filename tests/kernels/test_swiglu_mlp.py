@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 from kernels.common import is_hopper
-from kernels.swiglu_mlp.gpu import swiglu_mlp_gpu
+from kernels.swiglu_mlp.gpu import PREFETCH_ROWS, prefetch_boxes, swiglu_mlp_gpu
 from kernels.swiglu_mlp.ops import fits, swiglu_mlp
 from kernels.swiglu_mlp.reference import stream_layout, swiglu_mlp_reference, unstream_layout
 
@@ -67,7 +67,9 @@ def test_reference_is_the_residual_plus_the_swiglu_mlp():
 def test_kernel_interpreted_equals_reference(m, d, f, stages):
   x, gate_up, down, residual = operands(m + d + f, m, d, f)
   w = stream_layout(gate_up, down)
-  got = swiglu_mlp(x, w, residual, impl="gpu", interpret=True, stages=stages)
+  # the prefetch, a hint, is left out in interpret mode
+  got = swiglu_mlp(x, w, residual, prefetch=(gate_up, w), impl="gpu", interpret=True,
+                   stages=stages)
   want = swiglu_mlp_reference(x, w, residual)
   assert got.shape == (m, d) and got.dtype == jnp.float32
   # the same f32 products and rounding of h; the kernel sums K in its own order
@@ -83,6 +85,33 @@ def test_kernel_lowers_to_one_mosaic_gpu_call_that_adds_into_the_residual():
       lowering_platforms=("cuda",)).as_text()
   assert len(re.findall(r"custom_call @mosaic_gpu", text)) == 1
   assert "output_operand_alias" in text and "cp.reduce.async.bulk.tensor" in text
+  assert "cp.async.bulk.prefetch" not in text
+
+
+@pytest.mark.parametrize("n,programs", [(8064, 76), (6272, 76), (102144, 76), (5, 76), (300, 1)])
+def test_prefetch_boxes_cover_the_array_within_its_rows(n, programs):
+  covered = np.zeros(n, int)
+  for p in range(programs):
+    starts, box = prefetch_boxes(n, programs, p)
+    assert 1 <= box <= PREFETCH_ROWS
+    for start in map(int, starts):
+      assert 0 <= start <= n - box
+      covered[start:start + box] += 1
+  assert covered.min() == 1  # every row, and (but for the clamped last boxes) once
+  assert covered.sum() <= n + programs * box
+
+
+def test_kernel_prefetches_the_arrays_it_is_given_to_l2():
+  """The next layer's q/k/v [896, 1152] and o [896, 896] as the kernel's
+  extra operands, viewed as rows of 128, sent to L2 by TMA prefetches."""
+  x = jax.ShapeDtypeStruct((16, 896), jnp.bfloat16)
+  w = jax.ShapeDtypeStruct((4864 // 64, 64 * (896 // 64 + 896 // 128), 128), jnp.bfloat16)
+  prefetch = (jax.ShapeDtypeStruct((896 * 1152 // 128, 128), jnp.bfloat16),
+              jax.ShapeDtypeStruct((896 * 896 // 128, 128), jnp.bfloat16))
+  text = jax.jit(swiglu_mlp_gpu).trace(x, w, x, prefetch).lower(
+      lowering_platforms=("cuda",)).as_text()
+  assert len(re.findall(r"custom_call @mosaic_gpu", text)) == 1
+  assert "cp.async.bulk.prefetch.tensor.2d.L2.global.tile" in text
 
 
 # ---------------------------------------------------------------- ops
@@ -121,9 +150,11 @@ def test_decoder_with_streamed_mlps_equals_the_decoder():
                     num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32,
                     rope=RopeConfig(theta=1e6), qkv_bias=True, dtype="bfloat16")
   model = Decoder(cfg, rngs=nnx.Rngs(3))
-  streamed = Decoder(cfg, rngs=nnx.Rngs(3))
+  streamed, prefetching = Decoder(cfg, rngs=nnx.Rngs(3)), Decoder(cfg, rngs=nnx.Rngs(3))
   streamed.stream_mlps()
+  prefetching.stream_mlps(prefetch_next_layer=True)
   assert streamed.layers[0].mlp.gate_up_proj is None
+  assert [w.shape for w in prefetching.layers[1].attention_weights()] == [(128, 256), (128, 128)]
   cache = KVCache.init(cfg, batch=2, max_len=96)
   for tokens in (jax.random.randint(jax.random.key(0), (2, 40), 0, 101),  # 80 rows
                  jax.random.randint(jax.random.key(1), (2, 3), 0, 101)):  # 6 rows
@@ -131,6 +162,8 @@ def test_decoder_with_streamed_mlps_equals_the_decoder():
     got, *_ = streamed(tokens, cache)
     # bf16 activations: the kernel adds the MLP to the residual in f32 and rounds once
     np.testing.assert_allclose(as_f32(got), as_f32(want), rtol=3e-2, atol=3e-2)
+    # the prefetches change no value
+    np.testing.assert_array_equal(as_f32(prefetching(tokens, cache)[0]), as_f32(got))
 
 
 def test_draft_mlp_mode_resolves_to_what_can_run():
@@ -139,11 +172,13 @@ def test_draft_mlp_mode_resolves_to_what_can_run():
   cfg = ModelConfig(model_type="qwen2", vocab_size=101, hidden_size=896, intermediate_size=4864,
                     num_layers=1, num_heads=14, num_kv_heads=2, head_dim=64,
                     rope=RopeConfig(theta=1e6), dtype="bfloat16")
-  assert resolve_draft_mlp("auto", cfg) == ("kernel" if ON_HOPPER else "xla")
+  assert resolve_draft_mlp("auto", cfg) == ("kernel_prefetch" if ON_HOPPER else "xla")
   assert resolve_draft_mlp("kernel", cfg) == "kernel" and resolve_draft_mlp("xla", cfg) == "xla"
+  assert resolve_draft_mlp("kernel_prefetch", cfg) == "kernel_prefetch"
   assert resolve_draft_mlp("auto", cfg.replace(hidden_size=960)) == "xla"
-  with pytest.raises(ValueError, match="hidden_size=960"):
-    resolve_draft_mlp("kernel", cfg.replace(hidden_size=960))
+  for mode in ("kernel", "kernel_prefetch"):
+    with pytest.raises(ValueError, match="hidden_size=960"):
+      resolve_draft_mlp(mode, cfg.replace(hidden_size=960))
   with pytest.raises(ValueError, match="one of"):
     resolve_draft_mlp("triton", cfg)
 
@@ -157,3 +192,6 @@ def test_kernel_compiled_equals_reference(m):
   got = jax.jit(swiglu_mlp)(x, w, residual)
   want = swiglu_mlp_reference(x, w, residual)
   np.testing.assert_allclose(as_f32(got), as_f32(want), rtol=2e-3, atol=2e-3)
+  # prefetching another layer's weights (and its own) to L2 changes nothing
+  prefetched = jax.jit(swiglu_mlp)(x, w, residual, prefetch=(gate_up, down[::-1], w))
+  np.testing.assert_allclose(as_f32(prefetched), as_f32(want), rtol=2e-3, atol=2e-3)
