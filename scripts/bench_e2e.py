@@ -80,8 +80,9 @@ flags.DEFINE_integer("num_layers", 0, "keep only this many layers of both models
 flags.DEFINE_string("tau_json", "results/eval/tau.json", "tau per (policy, gamma, budget)")
 flags.DEFINE_float("time_budget_s", 540, "stop starting new configs after this long")
 flags.DEFINE_list("draft_mlps", ["auto"], "the draft's MLPs, each timed per speculative "
-                  "method: auto | xla (its GEMMs) | kernel (kernels.swiglu_mlp, Hopper; "
-                  "auto: wherever it runs, as the CLI)")
+                  "method: auto | xla (its GEMMs) | kernel (kernels.swiglu_mlp, Hopper) | "
+                  "kernel_prefetch (the kernel, sending the next layer's q/k/v and o to "
+                  "L2; auto: wherever it runs, as the CLI)")
 flags.DEFINE_bool("smoke", False, "tiny shapes on CPU (schema test)")
 flags.DEFINE_string("xla_flags", "", "appended to XLA_FLAGS before jax starts (e.g. "
                     "--xla_gpu_enable_command_buffer=... to try CUDA graphs)")

@@ -60,8 +60,9 @@ flags.DEFINE_string("xla_flags", "", "appended to XLA_FLAGS before jax starts")
 flags.DEFINE_bool("save_hlo", False, "also write the dustin step's compiled HLO text "
                   "(<out_name>.hlo.txt.gz): what each fused kernel computes")
 flags.DEFINE_enum("draft_mlp", "auto", list(DRAFT_MLPS), "the draft's MLPs: XLA's "
-                  "GEMMs, one kernel per layer pass (kernels.swiglu_mlp, Hopper) or auto "
-                  "(the kernel wherever it runs, as the CLI)")
+                  "GEMMs, one kernel per layer pass (kernels.swiglu_mlp, Hopper), that "
+                  "kernel sending the next layer's q/k/v and o to L2, or auto (the "
+                  "latter wherever it runs, as the CLI)")
 flags.DEFINE_bool("timeline", False, "also write the dustin steps' kernels in start order "
                   "(<out_name>.timeline.json.gz: start and duration in us from the first "
                   "kernel, stream, kernel name, phase) and their plot (.timeline.png): "

@@ -253,7 +253,7 @@ class MLP(nnx.Module):
   def add_to(self, residual, x, impl="auto", prefetch=()):
     """`residual + self(x)`; with streamed weights one kernel (the sum in
     f32, rounded once), its reference beyond the kernel's row count. The
-    kernel sends the `prefetch` arrays to L2 when it is done."""
+    kernel sends the `prefetch` arrays to L2 as it starts."""
     if self.streamed is None:
       return residual + self(x)
     rows = x.reshape(-1, x.shape[-1])

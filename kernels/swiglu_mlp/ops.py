@@ -25,9 +25,10 @@ def swiglu_mlp(x, w_stream, residual, *, prefetch=(), impl: str = "auto",
 
   impl: "auto" (the Mosaic GPU kernel on a Hopper GPU, else the reference),
   "gpu" (Hopper: TMA, WGMMA) or "reference". `stages`: weight tiles in flight.
-  `prefetch`: arrays the kernel sends to L2 when its work is done (e.g. the
-  next layer's weights); a hint with no effect on the result, taken by the
-  GPU kernel for arrays whose size is a multiple of 128 elements.
+  `prefetch`: arrays the kernel sends to L2 as it starts, for the kernels
+  after it (e.g. the next layer's weights); a hint with no effect on the
+  result, taken by the GPU kernel for arrays whose size is a multiple of
+  128 elements.
   """
   if x.ndim != 2 or residual.shape != x.shape:
     raise ValueError(f"x and residual must both be [M, D], got {x.shape} and {residual.shape}")
