@@ -115,9 +115,8 @@ def swiglu_mlp_gpu(x, w_stream, residual, prefetch=(), *, stages: int = STAGES,
   programs send to L2 as they start, spread over them, so that the kernels
   which read them after this one find them there (not in interpret mode,
   which has no prefetches). They are hints: no value depends on them. They
-  go out before the program's own loads (issued at its end they cost the
-  kernel a little more, 13.5 against 13.4 us a call; results/h200/README.md,
-  "The next layer's weights in L2")."""
+  go out before the program's own loads (results/h200/README.md, "The next
+  layer's weights in L2")."""
   m, d = x.shape
   programs = w_stream.shape[0]
   itemsize = jnp.dtype(x.dtype).itemsize
