@@ -47,6 +47,9 @@ class Model(NamedTuple):
   def with_draft_mlp(self, mode: str) -> "Model":
     """This model as a draft whose MLPs run as `mode` says (a resolved
     mode of `resolve_draft_mlp`)."""
+    if mode not in ("xla", "kernel", "kernel_prefetch"):
+      raise ValueError(f"with_draft_mlp takes a resolved draft_mlp: 'xla', 'kernel' or "
+                       f"'kernel_prefetch', got {mode!r}")
     if mode == "xla":
       return self
     return self.with_streamed_mlps(prefetch_next_layer=mode == "kernel_prefetch")

@@ -19,9 +19,9 @@ them: queued back to back, the host ahead; it is the time each further step
 of a long decode adds (the slope between the fastest of three queues of
 `--repeats` and of 3x as many steps), so the first step's dispatch, paid
 once per decode, is not spread over a few steps. Also recorded:
-`queued_ms` (the mean of `--repeats` queued steps, that dispatch included), `host_ms` (the host's time to queue
-one step), `step_sync_ms` (each step waited for: + the host's dispatch),
-`gpu_ms` and,
+`queued_ms` (the mean of `--repeats` queued steps, that dispatch
+included), `host_ms` (the host's time to queue one step), `step_sync_ms`
+(each step waited for: + the host's dispatch), `gpu_ms` and,
 for `--phase_batches`, `phase_ms` per named scope of the fused step (GPU kernel
 time, from profiler traces). A 72B target runs tensor-parallel: `--mesh_model=2`.
 

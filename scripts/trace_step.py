@@ -54,7 +54,8 @@ flags.DEFINE_integer("steps", 3, "profiled steps per method")
 flags.DEFINE_integer("top", 25, "kernels listed per method")
 flags.DEFINE_list("methods", ["vanilla", "dustin"], "steps profiled: vanilla and/or dustin")
 flags.DEFINE_integer("asrun_steps", 20, "steps queued back to back for step_ms (no profiler; "
-                     "the slope between the fastest of three queues of this many and of 3x as many)")
+                     "the slope between the fastest of three queues of this many and of 3x "
+                     "as many)")
 flags.DEFINE_string("out_name", "trace_step.json", "output file in out_dir")
 flags.DEFINE_string("xla_flags", "", "appended to XLA_FLAGS before jax starts")
 flags.DEFINE_bool("save_hlo", False, "also write the dustin step's compiled HLO text "

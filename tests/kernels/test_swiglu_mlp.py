@@ -183,6 +183,23 @@ def test_draft_mlp_mode_resolves_to_what_can_run():
     resolve_draft_mlp("triton", cfg)
 
 
+def test_with_draft_mlp_lays_out_the_draft_as_its_resolved_mode_says():
+  from dustin_jax.config import ModelConfig, RopeConfig
+  from dustin_jax.decoding import Model
+  from dustin_jax.models.decoder import Decoder
+  cfg = ModelConfig(model_type="qwen2", vocab_size=101, hidden_size=128, intermediate_size=192,
+                    num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32,
+                    rope=RopeConfig(theta=1e6), dtype="bfloat16")
+  model = Model(cfg, *nnx.split(Decoder(cfg, rngs=nnx.Rngs(0))))
+  assert model.with_draft_mlp("xla") is model
+  for mode, prefetch in (("kernel", False), ("kernel_prefetch", True)):
+    module = nnx.merge(*model.with_draft_mlp(mode)[1:])
+    assert module.layers[0].mlp.streamed is not None
+    assert module.prefetch_next_layer is prefetch
+  with pytest.raises(ValueError, match="resolved draft_mlp"):  # "auto" is resolved first
+    model.with_draft_mlp("auto")
+
+
 # ------------------------------------------------------- compiled (Hopper)
 @pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper GPU (TMA, WGMMA)")
 @pytest.mark.parametrize("m", [16, 5])
