@@ -13,6 +13,7 @@ import importlib.metadata
 import json
 import math
 import os
+import re
 import types
 from typing import Any, Mapping
 
@@ -46,7 +47,12 @@ def append_xla_flags(extra: str) -> None:
   """Append `extra` to XLA_FLAGS, after each of `GRAPH_FLAGS` that this
   jaxlib knows and whose option is not set already (setting the option is
   how to opt out). XLA reads the flags once, when JAX starts its backend:
-  call this before anything touches a device."""
+  call this before anything touches a device.
+
+  A command-buffer update mode other than ALWAYS_UPDATE allocates device
+  memory through XLA's VMM allocator: XLA switches to it from any other
+  with a warning on every start. So with such a mode this also asks for that
+  allocator (XLA_PYTHON_CLIENT_ALLOCATOR=vmm) where no allocator is set."""
   flags = f"{os.environ.get('XLA_FLAGS', '')} {extra}".strip()
   jaxlib = _jaxlib_version()
   defaults = [flag for flag, since in GRAPH_FLAGS
@@ -54,6 +60,9 @@ def append_xla_flags(extra: str) -> None:
   flags = " ".join(defaults + ([flags] if flags else []))
   if flags:
     os.environ["XLA_FLAGS"] = flags
+  modes = re.findall(r"--xla_gpu_command_buffer_update_mode=(\S+)", flags)
+  if modes and modes[-1] != "ALWAYS_UPDATE":
+    os.environ.setdefault("XLA_PYTHON_CLIENT_ALLOCATOR", "vmm")
 
 
 def _jaxlib_version() -> tuple[int, ...]:

@@ -18,7 +18,9 @@ Methods (one process, warm compiled steps, random weights of the real shapes):
 them: queued back to back, the host ahead; it is the time each further step
 of a long decode adds (the slope between the fastest of three queues of
 `--repeats` and of 3x as many steps), so the first step's dispatch, paid
-once per decode, is not spread over a few steps. Also recorded:
+once per decode, is not spread over a few steps (`step_resolved`: False
+where steps far shorter than the timing noise left no slope, and step_ms is
+then queued_ms, an upper bound). Also recorded:
 `queued_ms` (the mean of `--repeats` queued steps, that dispatch
 included), `host_ms` (the host's time to queue one step), `step_sync_ms`
 (each step waited for: + the host's dispatch), `gpu_ms` and,
@@ -97,7 +99,8 @@ SPARSE = tuple(m for m, p in POLICY.items() if p != "full")  # verify within --b
 
 def _time_loop(step, carry, repeats):
   """({step_ms: per step of a long decode, steps queued back to back with
-  the host ahead (`steady_step_seconds`); queued_ms: the mean of `repeats`
+  the host ahead (`steady_step_seconds`; step_resolved: False where noise
+  hid the slope and step_ms is queued_ms); queued_ms: the mean of `repeats`
   queued steps, the first one's dispatch included; host_ms: the host's time
   to queue one; step_sync_ms: median of steps each waited for, host
   dispatch included; gpu_ms: GPU kernel time per step, None without a GPU},
@@ -113,7 +116,8 @@ def _time_loop(step, carry, repeats):
     with timer.window("steps"):
       carry, _, _ = queued_steps(step, carry, repeats)
   gpu = timer.ms("steps")
-  return dict(step_ms=1e3 * ahead["step"], queued_ms=1e3 * ahead["queued"],
+  return dict(step_ms=1e3 * ahead["step"], step_resolved=ahead["resolved"],
+              queued_ms=1e3 * ahead["queued"],
               host_ms=1e3 * ahead["host"], step_sync_ms=1e3 * statistics.median(sync[2:]),
               gpu_ms=gpu[0] / repeats if gpu else None), carry
 

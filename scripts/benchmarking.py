@@ -198,7 +198,9 @@ def steady_step_seconds(step, carry, n: int, pairs: int = STEADY_PAIRS):
   step (above `step`, the loop is bound by the host). Each queue length is
   timed `pairs` times and its fastest run kept: noise only adds time, and a
   slope of single runs can come out below zero when a step is short against
-  the noise."""
+  the noise. Where even the fastest runs leave no positive slope (steps far
+  shorter than the noise), `step` is `queued`, an upper bound, and
+  `resolved` is False."""
   short, long, host = [], [], []
   for _ in range(pairs):
     carry, t, _ = queued_steps(step, carry, n)
@@ -207,7 +209,9 @@ def steady_step_seconds(step, carry, n: int, pairs: int = STEADY_PAIRS):
     long.append(t)
     host.append(h)
   short, long = min(short), min(long)
-  return carry, dict(step=(long - short) / (2 * n), queued=short / n, host=min(host) / (3 * n))
+  resolved = long > short
+  return carry, dict(step=(long - short) / (2 * n) if resolved else short / n,
+                     queued=short / n, host=min(host) / (3 * n), resolved=resolved)
 
 
 def write_json(path: str, obj) -> None:

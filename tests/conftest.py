@@ -17,6 +17,12 @@ def xla_flags(devices: int | None = None) -> str:
   return " ".join(f for f in (count, FAST_COMPILE) if f)
 
 
+def python_path(root: str) -> str:
+  """PYTHONPATH for a test's subprocess: the repository first, then what
+  the test run itself was given."""
+  return os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
+
+
 # Simulated devices for the sharding tests; must precede the first jax import.
 os.environ.setdefault("XLA_FLAGS", xla_flags(8))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

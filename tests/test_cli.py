@@ -285,10 +285,27 @@ def test_append_xla_flags_adds_the_graph_modes_where_jaxlib_knows_them(
   from dustin_jax import config
   monkeypatch.setattr(config, "_jaxlib_version", lambda: jaxlib)
   monkeypatch.setenv("XLA_FLAGS", preset)
+  monkeypatch.delenv("XLA_PYTHON_CLIENT_ALLOCATOR", raising=False)
   if not preset:
     monkeypatch.delenv("XLA_FLAGS")
   config.append_xla_flags(extra)
   assert os.environ.get("XLA_FLAGS") == want
+  # an update mode (SKIP_TEMP, or the "X" set above) runs on XLA's VMM allocator
+  vmm = "--xla_gpu_command_buffer_update_mode=" in (want or "")
+  assert os.environ.get("XLA_PYTHON_CLIENT_ALLOCATOR") == ("vmm" if vmm else None)
+
+
+def test_append_xla_flags_leaves_a_chosen_allocator_and_always_update_alone(monkeypatch):
+  from dustin_jax import config
+  monkeypatch.setattr(config, "_jaxlib_version", lambda: (0, 11, 2))
+  monkeypatch.delenv("XLA_FLAGS", raising=False)
+  monkeypatch.setenv("XLA_PYTHON_CLIENT_ALLOCATOR", "platform")
+  config.append_xla_flags("")
+  assert os.environ["XLA_PYTHON_CLIENT_ALLOCATOR"] == "platform"
+  monkeypatch.delenv("XLA_FLAGS")
+  monkeypatch.delenv("XLA_PYTHON_CLIENT_ALLOCATOR")
+  config.append_xla_flags("--xla_gpu_command_buffer_update_mode=ALWAYS_UPDATE")
+  assert "XLA_PYTHON_CLIENT_ALLOCATOR" not in os.environ
 
 
 def test_benchmarks_know_when_the_graph_runs_phases_side_by_side(monkeypatch):

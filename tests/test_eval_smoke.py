@@ -9,7 +9,7 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import xla_flags
+from conftest import python_path, xla_flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECORD_KEYS = {"model", "policy", "budget", "context", "task", "metric", "value", "n", "seed",
@@ -20,7 +20,7 @@ TAU_KEYS = {"policy", "gamma", "budget", "tau", "acceptance", "n_steps", "contex
 
 def run(module, *args, timeout=120):
   # one CPU device is enough (and compiles faster)
-  env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags())
+  env = dict(os.environ, PYTHONPATH=python_path(ROOT), JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags())
   p = subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, env=env,
                      capture_output=True, text=True, timeout=timeout)
   assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]

@@ -15,6 +15,7 @@ import subprocess
 import sys
 
 import pytest
+from conftest import python_path
 
 from dustin_jax import assets
 
@@ -69,7 +70,7 @@ def _assert_no_torch():
 
 
 def _run(code: str, timeout: int = 600) -> subprocess.CompletedProcess:
-  env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=str(REPO))
+  env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=python_path(str(REPO)))
   return subprocess.run([sys.executable, "-c", NO_TORCH + code], cwd=REPO, env=env,
                         capture_output=True, text=True, timeout=timeout)
 

@@ -11,8 +11,9 @@ output written to, the natural [B, T, Hq, D] layout by row gather/scatter.
 Split-K merge (J > 1), picked by ``combine``:
   "xla" (default): partials merged by :func:`kernels.common.combine_partials`
     (a few small XLA fusions after the kernel).
-  "fused" (experimental: correctness checked in interpret mode; in the
-    end-to-end step no faster than "xla", see kernels/NOTES.md):
+  "fused" (not the default: in the end-to-end step no faster than "xla",
+    see kernels/NOTES.md; equal to the reference in interpret mode and on
+    an H200):
     every program writes its f32 partial (o, m, l), then bumps a per-(b, h)
     counter (acq_rel atomic after a CTA barrier); the program that arrives
     last merges the J partials (fresh in L2) and writes the output.  One

@@ -5,7 +5,7 @@ import os
 import subprocess
 import sys
 
-from conftest import xla_flags
+from conftest import python_path, xla_flags
 
 REQUIRED = {"kernel", "model", "batch", "context", "budget", "ms", "bytes",
             "bw_share", "speedup_vs_decode_attention", "device", "jax_version",
@@ -14,7 +14,7 @@ REQUIRED = {"kernel", "model", "batch", "context", "budget", "ms", "bytes",
 
 def test_bench_smoke(tmp_path):
   root = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
-  env = dict(os.environ, PYTHONPATH=root, JAX_PLATFORMS="cpu")
+  env = dict(os.environ, PYTHONPATH=python_path(root), JAX_PLATFORMS="cpu")
   env["XLA_FLAGS"] = xla_flags()  # one CPU device
   proc = subprocess.run(
       [sys.executable, "-m", "scripts.bench_attention", "--smoke",
@@ -46,7 +46,7 @@ def test_budget_shapes_choose_where_every_budget_runs(tmp_path):
   """--budget_shapes names the shapes where sparse_verify runs every budget;
   elsewhere (here: the smoke run's only shape) it runs one."""
   root = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
-  env = dict(os.environ, PYTHONPATH=root, JAX_PLATFORMS="cpu")
+  env = dict(os.environ, PYTHONPATH=python_path(root), JAX_PLATFORMS="cpu")
   env["XLA_FLAGS"] = xla_flags()  # one CPU device
   proc = subprocess.run(
       [sys.executable, "-m", "scripts.bench_attention", "--smoke", "--kernels=sparse",
@@ -59,7 +59,7 @@ def test_budget_shapes_choose_where_every_budget_runs(tmp_path):
 
 def test_sparse_sweep_times_each_tuning_of_both_sparse_kernels(tmp_path):
   root = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
-  env = dict(os.environ, PYTHONPATH=root, JAX_PLATFORMS="cpu")
+  env = dict(os.environ, PYTHONPATH=python_path(root), JAX_PLATFORMS="cpu")
   env["XLA_FLAGS"] = xla_flags()  # one CPU device
   proc = subprocess.run(
       [sys.executable, "-m", "scripts.bench_attention", "--smoke", "--kernels=sparse,packed",
@@ -96,7 +96,7 @@ def test_parse_device_times_unions_gpu_stream_kernels():
 
 def test_unknown_kernel_name_is_refused(tmp_path):
   root = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
-  env = dict(os.environ, PYTHONPATH=root, JAX_PLATFORMS="cpu")
+  env = dict(os.environ, PYTHONPATH=python_path(root), JAX_PLATFORMS="cpu")
   proc = subprocess.run(
       [sys.executable, "-m", "scripts.bench_attention", "--smoke", "--kernels=decode,jax_gqa",
        f"--out_dir={tmp_path}"], cwd=root, env=env, capture_output=True, text=True, timeout=120)

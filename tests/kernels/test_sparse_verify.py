@@ -62,9 +62,10 @@ def test_reference_only_block_when_all_padding():
 
 def test_auto_dispatch_and_errors():
   q, k, v, L, idx = make_case(2, 1, 2, 4, 2, 32, 16, [9], 4)
-  out = ops.sparse_verify(q, k, v, L, idx)
+  out = ops.sparse_verify(q, k, v, L, idx)  # the kernel on a GPU, else the reference
+  # the reference itself (1e-6) where it runs, the f32 kernel's rounding on a GPU
   np.testing.assert_allclose(out, sparse_verify_reference(q, k, v, L, idx),
-                             rtol=1e-6)
+                             rtol=1e-5 if ON_GPU else 1e-6, atol=1e-6 if ON_GPU else 0)
   with pytest.raises(ValueError):
     ops.sparse_verify(q, k, v, L, idx[0], impl="reference")
 
@@ -154,8 +155,6 @@ def test_gpu_kernel_compiled_default_tuning(G, T, K):
 
 
 @gpu_only
-@pytest.mark.xfail(strict=False, reason="combine='fused' is experimental: checked in "
-                   "interpret mode only (kernels/NOTES.md)")
 def test_gpu_kernel_compiled_fused_combine():
   q, k, v, L, idx = make_case(11, 4, 5, 28, 4, 5000, 128,
                               [4990, 300, 2345, 4000], 512, jnp.bfloat16)
