@@ -18,7 +18,9 @@ use them (config -> sharding -> cache -> models -> weights).
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
+import os
 from typing import Sequence
 
 import jax
@@ -289,14 +291,48 @@ def check_fits(plan: MemoryPlan) -> None:
       "(scripts.decode: --config.mem_fraction=0.95) gives it more")
 
 
+DEFAULT_MEM_FRACTION = 0.75  # XLA's allocator's share of a GPU when none is set
+
+
 def device_capacity() -> int | None:
   """Bytes XLA's allocator may use on one accelerator (None on CPU or when
-  unknown): XLA_PYTHON_CLIENT_MEM_FRACTION of the device, 75% by default."""
+  unknown): XLA_PYTHON_CLIENT_MEM_FRACTION of the device, 75% by default.
+
+  XLA's VMM allocator (which the graph flags' update mode runs on,
+  `config.append_xla_flags`) reports no memory stats; it holds to the same
+  fraction of the device's memory, which the CUDA driver gives then."""
   d = jax.devices()[0]
   if d.platform == "cpu":
     return None
   try:
-    return int(d.memory_stats()["bytes_limit"])
+    stats = d.memory_stats()
   except Exception:  # noqa: BLE001 -- some backends have no memory stats
+    stats = None
+  if stats and "bytes_limit" in stats:
+    return int(stats["bytes_limit"])
+  if d.platform != "gpu":
+    return None
+  total = cuda_device_memory(getattr(d, "local_hardware_id", d.id))
+  return None if total is None else int(total * mem_fraction())
+
+
+def mem_fraction() -> float:
+  """The share of a GPU XLA's allocator takes (its environment variables)."""
+  value = (os.environ.get("XLA_CLIENT_MEM_FRACTION")
+           or os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION"))
+  return float(value) if value else DEFAULT_MEM_FRACTION
+
+
+def cuda_device_memory(ordinal: int) -> int | None:
+  """Total memory of CUDA device `ordinal` from the driver
+  (cuDeviceTotalMem), or None where the driver cannot be asked."""
+  try:
+    cuda = ctypes.CDLL("libcuda.so.1")
+    device, total = ctypes.c_int(), ctypes.c_size_t()
+    if (cuda.cuInit(0) or cuda.cuDeviceGet(ctypes.byref(device), ordinal)
+        or cuda.cuDeviceTotalMem_v2(ctypes.byref(total), device)):
+      return None
+    return total.value
+  except (OSError, AttributeError):
     return None
 

@@ -12,7 +12,7 @@ from dustin_jax.speculative.engine import generate_speculative
 from dustin_jax.speculative.step import SpecConfig
 from dustin_jax.weights import load_hf_checkpoint
 
-pytestmark = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 (simulated) devices")
+needs_8_devices = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 (simulated) devices")
 
 
 @pytest.fixture(scope="module")
@@ -34,6 +34,7 @@ def shard(model: Model, mesh) -> Model:
 @pytest.mark.parametrize("policy,draft_kv", [("full", "full"), ("dustin", "full"),
                                              ("dustin", "streaming")])
 @pytest.mark.parametrize("data,model", [(1, 8), (2, 4), (8, 1)])
+@needs_8_devices
 def test_sharded_speculative_equals_unsharded(models, data, model, policy, draft_kv, rng):
   from dustin_jax.selection.policies import policy_from_config
   target, draft = models
@@ -61,6 +62,7 @@ def test_sharded_speculative_equals_unsharded(models, data, model, policy, draft
   assert ours == ref
 
 
+@needs_8_devices
 def test_the_draft_runs_whole_on_every_device(models, rng, monkeypatch):
   """sharding.draft_mesh: the draft's weights and cache are replicated over
   the model axis, and its layers add no collectives to the compiled step;
@@ -95,6 +97,7 @@ def test_the_draft_runs_whole_on_every_device(models, rng, monkeypatch):
   assert n_split >= n_whole + 2 * draft.cfg.num_layers * cfg.gamma, (n_split, n_whole)
 
 
+@needs_8_devices
 def test_sharded_vanilla_equals_unsharded(models, rng):
   target, _ = models
   prompts = [rng.integers(0, 96, size=n).tolist() for n in (3, 9)]
@@ -104,6 +107,7 @@ def test_sharded_vanilla_equals_unsharded(models, rng):
   assert ours == ref
 
 
+@needs_8_devices
 def test_replicated_kv_heads_keep_the_function(models, rng):
   target, _ = models
   cfg, state = weights.replicate_kv_heads(target.cfg, target.state, 4)
@@ -114,6 +118,7 @@ def test_replicated_kv_heads_keep_the_function(models, rng):
   assert a == b
 
 
+@needs_8_devices
 def test_mesh_must_cover_devices():
   with pytest.raises(ConfigError, match="does not cover"):
     sharding.make_mesh(3, 2)
@@ -169,8 +174,55 @@ def test_memory_plan_counts_the_prefill_activations():
     sharding.check_fits(small)
 
 
+class _Device:
+  """A jax device as `device_capacity` sees it."""
+
+  def __init__(self, platform, stats, hardware_id=0):
+    self.platform, self.id, self.local_hardware_id, self._stats = platform, 9, hardware_id, stats
+
+  def memory_stats(self):
+    return self._stats
+
+
+def test_device_capacity_without_memory_stats_is_the_allocators_share(monkeypatch):
+  """XLA's VMM allocator reports no memory stats: the capacity is then its
+  fraction of the device's memory, which the CUDA driver reports."""
+  asked = []
+  monkeypatch.setattr(sharding, "cuda_device_memory", lambda i: asked.append(i) or 100 * 2**30)
+  for var in ("XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_MEM_FRACTION"):
+    monkeypatch.delenv(var, raising=False)
+  device = [_Device("gpu", None, hardware_id=3)]
+  monkeypatch.setattr(jax, "devices", lambda: device)
+  assert sharding.device_capacity() == 75 * 2**30 and asked == [3]
+  monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.5")  # --config.mem_fraction
+  assert sharding.device_capacity() == 50 * 2**30
+  monkeypatch.setenv("XLA_CLIENT_MEM_FRACTION", "0.9")  # jax's newer name wins
+  assert sharding.device_capacity() == 90 * 2**30
+  # an allocator that reports its limit is taken at its word
+  device[0] = _Device("gpu", {"bytes_limit": 123})
+  assert sharding.device_capacity() == 123
+  # no driver to ask, a TPU without stats, a CPU: unknown
+  monkeypatch.setattr(sharding, "cuda_device_memory", lambda i: None)
+  device[0] = _Device("gpu", None)
+  assert sharding.device_capacity() is None
+  device[0] = _Device("tpu", None)
+  assert sharding.device_capacity() is None
+  device[0] = _Device("cpu", {"bytes_limit": 123})
+  assert sharding.device_capacity() is None
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
+def test_device_capacity_on_this_gpu():
+  """The allocator's share of the GPU, within 2% of what its allocation
+  budget comes to (75% of the device's memory by default)."""
+  total = sharding.cuda_device_memory(jax.devices()[0].local_hardware_id)
+  assert total and total > 2**30
+  assert sharding.device_capacity() == pytest.approx(sharding.mem_fraction() * total, rel=0.02)
+
+
 # random weights of a 72B layer and vocabulary: ~1 min on 2 cores
 @pytest.mark.slow
+@needs_8_devices
 def test_cli_72b_shape_reduced_layers_runs_a_step_on_8_devices(tmp_path, capsys):
   """The 72B layer shapes, one layer each, on 8 simulated devices (1 x 8 mesh)."""
   from configs import qwen72b
