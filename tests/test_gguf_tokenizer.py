@@ -13,7 +13,6 @@ import importlib.util
 import json
 import pathlib
 
-import numpy as np
 import pytest
 from conftest import write_tokenizer_gguf
 

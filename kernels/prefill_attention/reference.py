@@ -29,7 +29,6 @@ again in page faults on this VM).
 """
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 
