@@ -33,6 +33,8 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
+import sys
 import time
 
 import jax
@@ -42,15 +44,13 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", ".."))
+from kernels.swiglu_mlp.gpu import _transforms  # noqa: E402  (shared-memory tiling + swizzle)
+
 ROWS = 64  # the WGMMA row operand (16 draft rows padded)
 K = 64  # a weight tile's rows (the contraction)
 COLS = 128  # a weight tile's columns: [64 x 128] bf16 = 16 KB
 DTYPE = jnp.bfloat16
-
-
-def _transforms(cols: int, itemsize: int = 2):
-  swizzle = plgpu.find_swizzle(cols * itemsize * 8)
-  return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
 
 
 def phase_tiles(hidden=896, heads=14, kv_heads=2, head_dim=64, ffn=4864, rows=16, window=512,
@@ -66,16 +66,16 @@ def phase_tiles(hidden=896, heads=14, kv_heads=2, head_dim=64, ffn=4864, rows=16
 
 
 def _launch(w, act_ref, *, layers, phases, programs, sync, exchange, stages, w_offset=0,
-            first_region=0, regions=None):
+            first_region=0):
   """One kernel over `layers` x `phases` (see `persistent`), in place on
-  act_ref, whose regions of programs * ROWS rows are the phases' inputs:
-  global phase g reads region (first_region + g) mod `regions` and writes
-  the next. Program p reads program p + 1's rows except at region 0's
-  first read (its own). `w_offset`: the first weight tile row block."""
+  act_ref, whose two regions of programs * ROWS rows are the phases'
+  inputs in turn: global phase g reads region (first_region + g) mod 2 and
+  writes the other. Program p reads program p + 1's rows except at the
+  first phase's first read (its own). `w_offset`: the first weight tile
+  row block."""
   t_layer = sum(phases)
   steps = layers * t_layer
   nph = len(phases)
-  regions = regions or layers * nph + 1
   starts = np.cumsum((0,) + phases)[:-1].tolist()
   ends = np.cumsum(phases).tolist()
 
@@ -92,7 +92,7 @@ def _launch(w, act_ref, *, layers, phases, programs, sync, exchange, stages, w_o
     return out
 
   def rows(region, p):
-    return pl.ds(((region % regions) * programs + p) * ROWS, ROWS)
+    return pl.ds(((region % 2) * programs + p) * ROWS, ROWS)
 
   def body(w_gmem, act_gmem):
     p = lax.axis_index("p")
@@ -155,13 +155,13 @@ def _launch(w, act_ref, *, layers, phases, programs, sync, exchange, stages, w_o
       pipeline = plgpu.emit_pipeline_warp_specialized(
           step, grid=(steps,), memory_registers=40,
           in_specs=[plgpu.BlockSpec((K, COLS), lambda s: ((w_offset + s) * programs + p, 0),
-                                    transforms=_transforms(COLS), delay_release=1)],
+                                    transforms=_transforms(COLS, 2), delay_release=1)],
           wg_axis="wg", num_compute_wgs=1, max_concurrent_steps=stages,
           compute_context=compute_context)
       pipeline(w_gmem)
 
-    pl.run_scoped(scope, plgpu.SMEM((ROWS, K), DTYPE, transforms=_transforms(K)),
-                  plgpu.SMEM((ROWS, K), DTYPE, transforms=_transforms(K)),
+    pl.run_scoped(scope, plgpu.SMEM((ROWS, K), DTYPE, transforms=_transforms(K, 2)),
+                  plgpu.SMEM((ROWS, K), DTYPE, transforms=_transforms(K, 2)),
                   plgpu.Barrier(num_arrivals=1), collective_axes="wg")
 
   mesh = plgpu.Mesh(grid=(programs,), grid_names=("p",), num_threads=2, thread_name="wg")
@@ -179,7 +179,7 @@ def persistent(w, act, *, layers, phases, programs, sync, exchange, stages):
   returns the last phase's output region."""
   ref = jax.new_ref(act)
   _launch(w, ref, layers=layers, phases=phases, programs=programs, sync=sync,
-          exchange=exchange, stages=stages, regions=2)
+          exchange=exchange, stages=stages)
   return _last_region(ref[...], layers * len(phases), programs)
 
 
@@ -192,13 +192,13 @@ def per_phase_kernels(w, act, *, layers, phases, programs, stages):
     for k, n in enumerate(phases):
       g = layer * len(phases) + k
       _launch(w, ref, layers=1, phases=(n,), programs=programs, sync=False, exchange=True,
-              stages=stages, w_offset=offset, first_region=g, regions=2)
+              stages=stages, w_offset=offset, first_region=g)
       offset += n
   return _last_region(ref[...], layers * len(phases), programs)
 
 
-def _last_region(act, phases, programs):
-  last = phases % 2
+def _last_region(act, n_phases, programs):
+  last = n_phases % 2
   return act[last * programs * ROWS:(last + 1) * programs * ROWS]
 
 
