@@ -285,7 +285,7 @@ def _grid_call(x, w_stream, gu, prefetch, *, m, programs, stages, phases, interp
   d = x.shape[1]
   f = w_stream.shape[0] * BLOCK
   sch = grid_schedule(f, d, programs)
-  nb, kt, ct = sch["nb"], sch["kt"], sch["ct"]
+  nb, kt, ct, a_slots = sch["nb"], sch["kt"], sch["ct"], sch["a_slots"]
   units_a, units_b = sch["units_a"], sch["units_b"]
   itemsize = jnp.dtype(x.dtype).itemsize
   do_a, do_b, sync = "a" in phases, "b" in phases, phases == "ab"
@@ -352,50 +352,38 @@ def _grid_call(x, w_stream, gu, prefetch, *, m, programs, stages, phases, interp
                                                           BLOCK)])
           plgpu.wait_smem_to_gmem(0)
           plgpu.semaphore_signal(sems.at[0], 1, memory_scope="gpu")
-        run_pipeline(())
-        plgpu.wait_smem_to_gmem(0)
+        def accumulators(*accs):
+          run_pipeline(accs)
+          plgpu.wait_smem_to_gmem(0)
 
-      def step(idx, x_smem, w_smem, carry):
+        pl.run_scoped(accumulators,
+                      *[plgpu.ACC((ROWS, BLOCK), jnp.float32) for _ in range(2 * a_slots)])
+
+      def step(idx, x_smem, w_smem, accs):
         s = idx[0]
         fa, k = unit_a(s)
         is_a = s < n_a
-
-        @pl.when(is_a)
-        def _gate_up():  # the run's sums of F block fa, kept in out_smem
-          def products(acc_gate, acc_up):
+        run = fa - f_a0  # each run of F block sums has an accumulator pair of its own
+        pairs = [accs[2 * r:2 * r + 2] for r in range(a_slots)]
+        for r, (acc_gate, acc_up) in enumerate(pairs):
+          @pl.when(is_a & (run == r))
+          def _gate_up():
             plgpu.wgmma(acc_gate, x_smem, w_smem.at[:, pl.ds(0, BLOCK)])
             plgpu.wgmma(acc_up, x_smem, w_smem.at[:, pl.ds(BLOCK, BLOCK)])
+            plgpu.wgmma_wait(2)
+
+          @pl.when(is_a & (run == r) & ((k == kt - 1) | (s == n_a - 1)))
+          def _flush_gate_up():  # the run's sums of F block fa
             plgpu.wgmma_wait(0)
-            first = (k == 0) | (s == 0)
-
-            @pl.when(first)
-            def _start():  # once the last run's stores have read its sums
-              plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-              for half, acc in enumerate((acc_gate, acc_up)):
-                out_smem[half] = acc[...]
-
-            @pl.when(~first)
-            def _add():
-              for half, acc in enumerate((acc_gate, acc_up)):
-                out_smem[half] = out_smem[half] + acc[...]
-            plgpu.commit_smem()
-
-          pl.run_scoped(products, plgpu.ACC((ROWS, BLOCK), jnp.float32),
-                        plgpu.ACC((ROWS, BLOCK), jnp.float32))
-
-        @pl.when(is_a & ((k == kt - 1) | (s == n_a - 1)))
-        def _flush_gate_up():
-          if sync:
-            @pl.when(s == jnp.minimum(kt - 1 - a_lo % kt, n_a - 1))
-            def _zeroed():  # the first reduce-add waits until gu is zero everywhere
-              plgpu.semaphore_wait(sems.at[0], programs, decrement=False, memory_scope="gpu")
-          for half in range(2):
+            if sync:
+              @pl.when(s == jnp.minimum(kt - 1 - a_lo % kt, n_a - 1))
+              def _zeroed():  # the first reduce-add waits until gu is zero everywhere
+                plgpu.semaphore_wait(sems.at[0], programs, decrement=False, memory_scope="gpu")
             if interpret:
-              dest = out_gmem.at[p, fa - f_a0, :, pl.ds(half * BLOCK, BLOCK)]
+              dests = [out_gmem.at[p, run, :, pl.ds(h * BLOCK, BLOCK)] for h in range(2)]
             else:
-              dest = gu_gmem.at[:, pl.ds(fa * TILE_COLS + half * BLOCK, BLOCK)]
-            plgpu.copy_smem_to_gmem(out_smem.at[half, pl.ds(0, m)], dest,
-                                    reduction_op=None if interpret else "add")
+              dests = [gu_gmem.at[:, pl.ds(fa * TILE_COLS + h * BLOCK, BLOCK)] for h in range(2)]
+            store_halves((acc_gate, acc_up), dests, None if interpret else "add")
 
         if sync:
           @pl.when(s == jnp.maximum(n_a - 1, 0))
@@ -404,7 +392,7 @@ def _grid_call(x, w_stream, gu, prefetch, *, m, programs, stages, phases, interp
             plgpu.semaphore_signal(sems.at[1], 1, memory_scope="gpu")
 
         if not do_b:
-          return carry
+          return accs
         j = s - n_a
         fb, c = unit_b(s)
         is_b = (j >= 0) & (j < n_b)
@@ -449,7 +437,7 @@ def _grid_call(x, w_stream, gu, prefetch, *, m, programs, stages, phases, interp
           pl.run_scoped(columns, plgpu.ACC((ROWS, BLOCK), jnp.float32),
                         plgpu.ACC((ROWS, BLOCK), jnp.float32))
 
-        return carry
+        return accs
 
       pipeline = plgpu.emit_pipeline_warp_specialized(
           step, grid=(steps,), memory_registers=40,
