@@ -37,24 +37,22 @@ class Model(NamedTuple):
     module.fold_norm_weights()
     return Model(self.cfg, *nnx.split(module))
 
-  def with_streamed_mlps(self, prefetch_next_layer: bool = False,
-                         schedule: str = "blocks") -> "Model":
+  def with_streamed_mlps(self, prefetch_next_layer: bool = False) -> "Model":
     """This model with each MLP kept in the layout of the one-kernel MLP
     (`Decoder.stream_mlps`)."""
     module = nnx.merge(self.graphdef, self.state)
-    module.stream_mlps(prefetch_next_layer, schedule)
+    module.stream_mlps(prefetch_next_layer)
     return Model(self.cfg, *nnx.split(module))
 
-  def with_draft_mlp(self, mode: str, schedule: str = "blocks") -> "Model":
+  def with_draft_mlp(self, mode: str) -> "Model":
     """This model as a draft whose MLPs run as `mode` says (a resolved
-    mode of `resolve_draft_mlp`), a kernel with `schedule`."""
+    mode of `resolve_draft_mlp`)."""
     if mode not in ("xla", "kernel", "kernel_prefetch"):
       raise ValueError(f"with_draft_mlp takes a resolved draft_mlp: 'xla', 'kernel' or "
                        f"'kernel_prefetch', got {mode!r}")
     if mode == "xla":
       return self
-    return self.with_streamed_mlps(prefetch_next_layer=mode == "kernel_prefetch",
-                                   schedule=schedule)
+    return self.with_streamed_mlps(prefetch_next_layer=mode == "kernel_prefetch")
 
 
 DRAFT_MLPS = ("auto", "xla", "kernel", "kernel_prefetch")

@@ -85,9 +85,6 @@ flags.DEFINE_list("draft_mlps", ["auto"], "the draft's MLPs, each timed per spec
                   "method: auto | xla (its GEMMs) | kernel (kernels.swiglu_mlp, Hopper) | "
                   "kernel_prefetch (the kernel, sending the next layer's q/k/v and o to "
                   "L2; auto: wherever it runs, as the CLI)")
-flags.DEFINE_list("mlp_schedules", ["blocks"], "the MLP kernel's schedules (kernel modes): "
-                  "grid (one program per SM, two phases) | blocks (one per F block); "
-                  "several: each timed, keyed '<mode>/<schedule>'")
 flags.DEFINE_bool("smoke", False, "tiny shapes on CPU (schema test)")
 flags.DEFINE_string("xla_flags", "", "appended to XLA_FLAGS before jax starts (e.g. "
                     "--xla_gpu_enable_command_buffer=... to try CUDA graphs)")
@@ -195,11 +192,8 @@ def bench_model(name, contexts, mesh, deadline, records, save):
   target = random_model(tcfg, 0, mesh)
   drafts = {}  # the same weights in each
   for mode in dict.fromkeys(resolve_draft_mlp(m, dcfg, mesh) for m in FLAGS.draft_mlps):
-    schedules = FLAGS.mlp_schedules if mode.startswith("kernel") else ["blocks"]
-    for schedule in schedules:
-      draft = random_model(dcfg, 1, dmesh)
-      key = mode if len(schedules) == 1 else f"{mode}/{schedule}"
-      drafts[key] = draft.with_draft_mlp(mode, schedule)
+    draft = random_model(dcfg, 1, dmesh)
+    drafts[mode] = draft.with_draft_mlp(mode)
   tcfg, dcfg = target.cfg, draft.cfg
   max_ctx = max(contexts)
   for batch in (int(b) for b in FLAGS.batches):

@@ -238,18 +238,13 @@ class MLP(nnx.Module):
     self.gate_up_proj = Linear(d, 2 * f, bias=False, dtype=dtype, rngs=rngs)  # gate_up_columns
     self.down_proj = Linear(f, d, bias=False, dtype=dtype, rngs=rngs)
     self.streamed = None  # both matrices in kernels.swiglu_mlp's layout, after `stream()`
-    self.schedule = "blocks"  # the kernel's schedule (kernels.swiglu_mlp.ops.SCHEDULES)
 
-  def stream(self, schedule: str = "blocks"):
+  def stream(self):
     """Keep the weights only in the layout of the one-kernel MLP
-    (`kernels.swiglu_mlp`, run with `schedule`), which `add_to` runs for
-    <= 64 rows."""
-    if schedule not in swiglu_mlp_ops.SCHEDULES:
-      raise ValueError(f"schedule must be one of {swiglu_mlp_ops.SCHEDULES}, got {schedule!r}")
+    (`kernels.swiglu_mlp`), which `add_to` runs for <= 64 rows."""
     self.streamed = nnx.data(nnx.Param(stream_layout(self.gate_up_proj.kernel[...],
                                                      self.down_proj.kernel[...])))
     self.gate_up_proj = self.down_proj = None
-    self.schedule = schedule
 
   def __call__(self, x):
     gate_up = self.gate_up_proj(x).reshape(x.shape[:-1] + (-1, 2))
@@ -262,10 +257,10 @@ class MLP(nnx.Module):
     if self.streamed is None:
       return residual + self(x)
     rows = x.reshape(-1, x.shape[-1])
-    if not swiglu_mlp_ops.fits(*rows.shape, rows.dtype, schedule=self.schedule):
+    if not swiglu_mlp_ops.fits(*rows.shape, rows.dtype):
       impl = "reference"
     out = swiglu_mlp_ops.swiglu_mlp(rows, self.streamed[...], residual.reshape(rows.shape),
-                                    prefetch=prefetch, impl=impl, schedule=self.schedule)
+                                    prefetch=prefetch, impl=impl)
     return out.astype(residual.dtype).reshape(residual.shape)
 
 
@@ -387,16 +382,15 @@ class Decoder(nnx.Module):
       layer.input_layernorm.fold_into(layer.self_attn.qkv_proj)
       layer.post_attention_layernorm.fold_into(layer.mlp.gate_up_proj)
 
-  def stream_mlps(self, prefetch_next_layer: bool = False, schedule: str = "blocks"):
+  def stream_mlps(self, prefetch_next_layer: bool = False):
     """Every layer's MLP as one kernel at decode rows (`MLP.stream`; Hopper:
     TMA, WGMMA), its weights kept in that kernel's layout only. With
     `prefetch_next_layer` each layer's kernel sends the next layer's q/k/v
     and o matrices to L2: at a few rows their GEMMs are bound by latency,
     not bandwidth, and loads from L2 arrive sooner. (The next MLP's own
-    26 MB, prefetched too, cost its kernel more than they saved.)
-    `schedule`: the kernel's (`kernels.swiglu_mlp.ops.swiglu_mlp`)."""
+    26 MB, prefetched too, cost its kernel more than they saved.)"""
     for layer in self.layers:
-      layer.mlp.stream(schedule)
+      layer.mlp.stream()
     self.prefetch_next_layer = prefetch_next_layer
 
   def logits(self, hidden: jax.Array) -> jax.Array:

@@ -10,8 +10,7 @@ import pytest
 from flax import nnx
 
 from kernels.common import is_hopper
-from kernels.swiglu_mlp.gpu import (PREFETCH_ROWS, grid_schedule, prefetch_boxes, swiglu_mlp_gpu,
-                                    swiglu_mlp_grid_gpu)
+from kernels.swiglu_mlp.gpu import PREFETCH_ROWS, prefetch_boxes, swiglu_mlp_gpu
 from kernels.swiglu_mlp.ops import fits, swiglu_mlp
 from kernels.swiglu_mlp.reference import stream_layout, swiglu_mlp_reference, unstream_layout
 
@@ -77,47 +76,6 @@ def test_kernel_interpreted_equals_reference(m, d, f, stages):
   np.testing.assert_allclose(as_f32(got), as_f32(want), rtol=2e-3, atol=2e-3)
 
 
-# (m, d, f, programs, stages): a run of 2 F blocks in a program and programs
-# with no down unit (7 programs, 4 down units); D tiles fewer than a run
-# (D = 128: F blocks of 2 units), 5 rows; one program holding everything
-@pytest.mark.parametrize("m,d,f,programs,stages", [(16, 256, 128, 7, 2), (5, 128, 320, 3, 3),
-                                                   (16, 256, 192, 1, 2)])
-def test_grid_kernel_interpreted_equals_reference(m, d, f, programs, stages):
-  x, gate_up, down, residual = operands(m + d + f + programs, m, d, f)
-  w = stream_layout(gate_up, down)
-  got = swiglu_mlp(x, w, residual, impl="gpu", schedule="grid", programs=programs,
-                   stages=stages, interpret=True)
-  want = swiglu_mlp_reference(x, w, residual)
-  assert got.shape == (m, d) and got.dtype == jnp.float32
-  np.testing.assert_allclose(as_f32(got), as_f32(want), rtol=2e-3, atol=2e-3)
-
-
-@pytest.mark.parametrize("f,d,programs", [(4864, 896, 132), (8192, 2048, 132), (320, 128, 3),
-                                          (128, 256, 7)])
-def test_grid_schedule_cuts_each_phase_into_contiguous_balanced_runs(f, d, programs):
-  sch = grid_schedule(f, d, programs)
-  for units, lo in ((sch["units_a"], sch["a_lo"]), (sch["units_b"], sch["b_lo"])):
-    assert lo[0] == 0 and lo[-1] == units and len(lo) == programs + 1
-    sizes = np.diff(lo)
-    assert sizes.min() >= units // programs and sizes.max() <= -(-units // programs)
-  assert sch["steps"] == max(np.diff(sch["a_lo"]) + np.diff(sch["b_lo"]))
-  if (f, d) == (4864, 896):  # the 0.5B draft: 8-9 gate/up and 4-5 down tiles a program
-    assert (sch["units_a"], sch["units_b"], sch["steps"], sch["a_slots"]) == (1064, 532, 14, 2)
-
-
-def test_grid_kernel_lowers_to_one_call_with_its_barriers_and_reduce_adds():
-  """At the 0.5B draft's shapes: one Mosaic GPU call whose gate/up sums are
-  its own output (no memset before it), the residual aliased, GPU-scope
-  semaphore signals and TMA reduce-adds."""
-  x = jax.ShapeDtypeStruct((16, 896), jnp.bfloat16)
-  w = jax.ShapeDtypeStruct((4864 // 64, 64 * (896 // 64 + 896 // 128), 128), jnp.bfloat16)
-  text = jax.jit(swiglu_mlp_grid_gpu, static_argnames=("programs",)).trace(
-      x, w, x, programs=132).lower(lowering_platforms=("cuda",)).as_text()
-  assert len(re.findall(r"custom_call @mosaic_gpu", text)) == 1
-  assert "tensor<16x9728xf32>" in text and "output_operand_alias" in text
-  assert "red.release.gpu.global.add" in text and "cp.reduce.async.bulk.tensor" in text
-
-
 def test_kernel_lowers_to_one_mosaic_gpu_call_that_adds_into_the_residual():
   """At the 0.5B draft's shapes: the residual's f32 copy is the call's
   aliased output and the down products reach it by TMA reduce-adds."""
@@ -173,17 +131,10 @@ def test_ops_checks_and_dispatch():
     swiglu_mlp(x.astype(jnp.float32), w.astype(jnp.float32), residual, impl="gpu")
   with pytest.raises(ValueError, match="1..64 rows"):
     swiglu_mlp(jnp.zeros((65, 256), jnp.bfloat16), w, jnp.zeros((65, 256)), impl="gpu")
-  with pytest.raises(ValueError, match="schedule"):
-    swiglu_mlp(x, w, residual, impl="gpu", schedule="rows")
   # the 0.5B and 1B drafts at batch 16; not 80 rows, D = 960 or 8 stages
   assert fits(16, 896, jnp.bfloat16) and fits(16, 2048, jnp.bfloat16)
   assert not fits(80, 896, jnp.bfloat16) and not fits(16, 960, jnp.bfloat16)
   assert not fits(16, 896, jnp.bfloat16, stages=8)
-  # the grid schedule keeps two gate/up buffers: fewer weight slots fit
-  grid = dict(schedule="grid")
-  assert fits(16, 896, jnp.bfloat16, stages=5, **grid)
-  assert not fits(16, 896, jnp.bfloat16, stages=6, **grid)
-  assert fits(16, 896, jnp.bfloat16, stages=6, schedule="blocks")
 
 
 # ----------------------------------------------------- the decoder, streamed
@@ -261,21 +212,3 @@ def test_kernel_compiled_equals_reference(m):
   # prefetching another layer's weights (and its own) to L2 changes nothing
   prefetched = jax.jit(swiglu_mlp)(x, w, residual, prefetch=(gate_up, down[::-1], w))
   np.testing.assert_allclose(as_f32(prefetched), as_f32(want), rtol=2e-3, atol=2e-3)
-
-
-@pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper GPU (TMA, WGMMA)")
-@pytest.mark.parametrize("m,d,f", [(16, 896, 4864), (5, 896, 4864), (16, 2048, 8192),
-                                   (64, 896, 4864)])
-def test_grid_kernel_compiled_equals_reference_call_after_call(m, d, f):
-  """The grid schedule on the GPU (the 0.5B and 1B drafts' MLPs): three
-  calls in a row, each within the reference's tolerance, so that a barrier
-  that let a program read sums not yet complete would show as an error
-  (the reduce-adds' order may move the last bit, nothing more)."""
-  x, gate_up, down, residual = operands(m + d, m, d, f)
-  w = stream_layout(gate_up, down)
-  want = as_f32(swiglu_mlp_reference(x, w, residual))
-  call = jax.jit(lambda *a: swiglu_mlp(*a, schedule="grid"))
-  outs = [as_f32(call(x, w, residual)) for _ in range(3)]
-  for got in outs:
-    np.testing.assert_allclose(got, want, rtol=2e-3, atol=2e-3)
-  assert max(np.abs(o - outs[0]).max() for o in outs) <= 1e-5 * np.abs(want).max()
