@@ -47,23 +47,29 @@ class Model(NamedTuple):
   def with_draft_mlp(self, mode: str) -> "Model":
     """This model as a draft whose MLPs run as `mode` says (a resolved
     mode of `resolve_draft_mlp`)."""
-    if mode not in ("xla", "kernel", "kernel_prefetch"):
-      raise ValueError(f"with_draft_mlp takes a resolved draft_mlp: 'xla', 'kernel' or "
-                       f"'kernel_prefetch', got {mode!r}")
+    if mode not in ("xla", "kernel", "kernel_prefetch", "seam"):
+      raise ValueError(f"with_draft_mlp takes a resolved draft_mlp: 'xla', 'kernel', "
+                       f"'kernel_prefetch' or 'seam', got {mode!r}")
     if mode == "xla":
       return self
+    if mode == "seam":
+      module = nnx.merge(self.graphdef, self.state)
+      module.fuse_seams()
+      return Model(self.cfg, *nnx.split(module))
     return self.with_streamed_mlps(prefetch_next_layer=mode == "kernel_prefetch")
 
 
-DRAFT_MLPS = ("auto", "xla", "kernel", "kernel_prefetch")
+DRAFT_MLPS = ("auto", "xla", "kernel", "kernel_prefetch", "seam")
 
 
 def resolve_draft_mlp(mode: str, cfg: ModelConfig, mesh=None) -> str:
   """How a draft's MLPs run: "kernel" (one kernel per layer pass,
   `kernels.swiglu_mlp`: a Hopper GPU, one device, hidden size a multiple of
   128, intermediate size of 64, bf16 / f16), "kernel_prefetch" (that
-  kernel, which also sends the next layer's q/k/v and o to L2) or "xla"
-  (its GEMMs); "auto": "kernel_prefetch" wherever the kernel can run."""
+  kernel, which also sends the next layer's q/k/v and o to L2), "seam"
+  (a streaming draft's o, MLP and next q/k/v as one resident kernel per
+  layer-pass, `kernels.layer_seam`; the same conditions) or "xla" (its
+  GEMMs); "auto": "kernel_prefetch" wherever the kernel can run."""
   from kernels.common import is_hopper
   if mode not in DRAFT_MLPS:
     raise ValueError(f"draft_mlp must be one of {DRAFT_MLPS}, got {mode!r}")
@@ -72,7 +78,7 @@ def resolve_draft_mlp(mode: str, cfg: ModelConfig, mesh=None) -> str:
   one_device = mesh is None or mesh.devices.size == 1
   if mode == "auto":
     return "kernel_prefetch" if shapes_fit and one_device and is_hopper() else "xla"
-  if mode.startswith("kernel") and not (shapes_fit and one_device):
+  if mode != "xla" and not (shapes_fit and one_device):
     raise ValueError(
         f"draft_mlp={mode!r} runs on one device with hidden_size % 128 == 0, "
         f"intermediate_size % 64 == 0 and a 16-bit dtype; this draft has hidden_size="

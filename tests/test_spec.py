@@ -52,18 +52,19 @@ def test_greedy_speculative_equals_greedy_vanilla(pair, gamma, rng):
     assert stats.accepted > 0, "the noisy draft should agree with the target sometimes"
 
 
-@pytest.mark.parametrize("prefetch_next_layer", [False, True])
+@pytest.mark.parametrize("mode", ["kernel", "kernel_prefetch", "seam"])
 def test_greedy_speculative_with_one_kernel_draft_mlps_equals_greedy_vanilla(
-    tmp_path, rng, prefetch_next_layer):
-  """A draft whose MLPs run as kernels.swiglu_mlp (on a Hopper GPU; its
-  reference elsewhere), with or without the next layer's L2 prefetches,
-  keeps greedy speculative decoding lossless."""
+    tmp_path, rng, mode):
+  """A draft whose MLPs run as kernels.swiglu_mlp, with or without the next
+  layer's L2 prefetches, or whose seams between attentions run as
+  kernels.layer_seam (on a Hopper GPU; their references elsewhere), keeps
+  greedy speculative decoding lossless."""
   save_tiny_checkpoint(tmp_path, "qwen2", seed=5, num_hidden_layers=2, hidden_size=128,
                        intermediate_size=128)
   target = Model(*load_hf_checkpoint(str(tmp_path), dtype="bfloat16"))
   noisy = jax.tree.map(lambda n, w: n.astype(w.dtype), noisy_copy(target, 0.3).state,
                        target.state)
-  draft = Model(target.cfg, target.graphdef, noisy).with_streamed_mlps(prefetch_next_layer)
+  draft = Model(target.cfg, target.graphdef, noisy).with_folded_norms().with_draft_mlp(mode)
   prompts = prompts_of(rng, [9, 4])
   ref, _ = generate(target, prompts, max_new_tokens=12, max_len=48)
   ours, _ = generate_speculative(target, draft, prompts, max_new_tokens=12, max_len=48,

@@ -32,9 +32,12 @@ from dustin_jax import sharding
 from dustin_jax.cache import KVCache, write_rows
 from dustin_jax.config import ModelConfig, rope_inv_freq
 from kernels.decode_attention.ops import decode_attention
+from kernels.layer_seam.ops import layer_seam
+from kernels.layer_seam.reference import BLOCK as SEAM_BLOCK
+from kernels.layer_seam.reference import SeamDims, row_scale, seam_layout
 from kernels.sparse_verify.ops import sparse_verify_packed
 from kernels.swiglu_mlp import ops as swiglu_mlp_ops
-from kernels.swiglu_mlp.reference import stream_layout
+from kernels.swiglu_mlp.reference import stream_layout, unstream_layout
 from kernels.window_attention.ops import window_attention
 
 
@@ -342,6 +345,7 @@ class Decoder(nnx.Module):
                     Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype, rngs=rngs))
     # whether a layer's MLP kernel sends the next layer's q/k/v and o to L2 (`stream_mlps`)
     self.prefetch_next_layer = False
+    self.seam_stream = None  # every layer's o, MLP and q/k/v in one stream, after `fuse_seams()`
 
   def __call__(self, tokens: jax.Array, cache: KVCache, *,
                kv_indices: jax.Array | None = None, window: tuple[int, int] | None = None,
@@ -359,6 +363,9 @@ class Decoder(nnx.Module):
     t = tokens.shape[1]
     positions = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None]
     cos, sin = rope_tables(self.cfg, positions)
+    if (window is not None and self.seam_stream is not None and mesh is None
+        and tokens.size <= 64):
+      return self._seam_pass(tokens, cache, cos, sin, window, tap_layers, impl)
     x = jnp.take(self.embed_tokens[...], tokens, axis=0)
     taps = {}
     for i, layer in enumerate(self.layers):
@@ -372,6 +379,77 @@ class Decoder(nnx.Module):
       if i in tap_layers:
         taps[i] = q
     return self.norm(x), cache, taps
+
+  def _seam_pass(self, tokens, cache, cos, sin, window, tap_layers, impl):
+    """`__call__` over a streaming draft's window with the work between two
+    attentions as one kernel (`kernels.layer_seam`): layer 0's q/k/v is one
+    GEMM; then per layer the attention (its prologue scales the q/k/v rows
+    by the residual's RMSNorm scale and adds the bias), then layer i's o,
+    MLP and layer i + 1's q/k/v. The residual stream stays f32 ([Mp, D], the
+    rows padded to a multiple of 8) until the final norm."""
+    cfg = self.cfg
+    b, t = tokens.shape
+    m = b * t
+    mp = -(-m // 8) * 8
+    dtype = self.embed_tokens.dtype
+    f32 = jnp.float32
+    dims = self.seam_dims()
+    x = jnp.take(self.embed_tokens[...], tokens.reshape(m), axis=0)
+    r = jnp.pad(x.astype(f32), ((0, mp - m), (0, 0)))
+    qkv = jnp.dot(r.astype(dtype), self.layers[0].self_attn.qkv_proj.kernel[...],
+                  preferred_element_type=f32)
+    xb = jnp.zeros((mp, cfg.hidden_size), dtype)
+    ss = jnp.zeros((mp, SEAM_BLOCK), f32)
+    stream = self.seam_stream[...]
+    g = cfg.num_kv_heads
+    taps = {}
+    for i, layer in enumerate(self.layers):
+      attention = layer.self_attn
+      scaled = qkv * row_scale(r, cfg.rms_norm_eps)
+      if attention.qkv_proj.bias is not None:
+        scaled = scaled + attention.qkv_proj.bias[...].astype(f32)
+      packed = scaled[:m].astype(dtype).reshape(b, t, g, cfg.num_heads // g + 2, cfg.head_dim)
+      out, k, v = packed_attention(packed, cache.k[i], cache.v[i], cache.lengths, cos, sin, impl,
+                                   None, window=window)
+      attn = jnp.pad(out.reshape(m, -1), ((0, mp - m), (0, 0)))
+      r, xb, ss, qkv = layer_seam(r, attn, stream, xb, ss, qkv, i, dims=dims,
+                                  has_next=i + 1 < len(self.layers), eps=cfg.rms_norm_eps,
+                                  impl=impl)
+      cache = cache.with_layer(i, k, v)
+      if i in tap_layers:
+        q = packed[:, :, :, :-2].reshape(b, t, cfg.num_heads, cfg.head_dim)
+        taps[i] = apply_rope(q, cos, sin)
+    hidden = r[:m].astype(dtype).reshape(b, t, cfg.hidden_size)
+    return self.norm(hidden), cache, taps
+
+  def seam_dims(self) -> SeamDims:
+    cfg = self.cfg
+    return SeamDims(cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.intermediate_size,
+                    (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim)
+
+  def fuse_seams(self):
+    """Every layer's o, MLP and q/k/v matrices also in one stream of blocks
+    (`kernels.layer_seam.reference.seam_layout`, layers stacked), which a
+    streaming draft's pass of at most 64 rows reads through one kernel per
+    layer (`_seam_pass`). The layers keep their weights (the prefill and
+    longer blocks run them): the stream is a second copy of all but the
+    embeddings (~0.9 GB for Qwen2.5-0.5B). Needs folded norm weights
+    (`fold_norm_weights`) and no o bias."""
+    blocks = []
+    for layer in self.layers:
+      attention, mlp = layer.self_attn, layer.mlp
+      if layer.input_layernorm.weight is not None or layer.post_attention_layernorm.weight is not None:
+        raise ValueError("fuse_seams needs the norm weights folded into the projections "
+                         "(fold_norm_weights first)")
+      if attention.o_proj.bias is not None:
+        raise ValueError("fuse_seams takes layers without an o_proj bias")
+      if mlp.streamed is not None:
+        gate_up, down = unstream_layout(mlp.streamed[...], self.cfg.hidden_size)
+      else:
+        gate_up, down = mlp.gate_up_proj.kernel[...], mlp.down_proj.kernel[...]
+      blocks.append(seam_layout(attention.o_proj.kernel[...], gate_up, down,
+                                attention.qkv_proj.kernel[...]))
+    self.seam_stream = nnx.data(nnx.Param(jnp.concatenate(blocks)))
 
   def fold_norm_weights(self):
     """Each layer's two RMSNorm weights multiplied into the projection they
