@@ -55,7 +55,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from kernels.layer_seam.reference import BLOCK, COLS, SeamDims
 
 ROWS = 64  # WGMMA's row operand: the Mp rows and padding
-STAGES = 4  # weight blocks in flight per program (what shared memory leaves)
+MAX_STAGES = 10  # weight blocks in flight per program, at most (what shared memory leaves)
 SMEM_BYTES = 227 * 1024
 
 
@@ -70,23 +70,40 @@ def programs_needed(dims: SeamDims, has_next: bool = True) -> int:
   return max(dims.mlp_programs + dims.owners, dims.qkv_tiles if has_next else 0)
 
 
-def smem_bytes(dims: SeamDims, stages: int, itemsize: int = 2) -> int:
-  """Shared memory of one program: the weight slots, the activation tiles
-  (attn or xb, whole), h, two f32 tiles."""
-  tiles = max(dims.a, dims.d) // BLOCK
-  return ((stages * BLOCK * COLS + tiles * ROWS * BLOCK + ROWS * BLOCK) * itemsize
+def activation_rows(dims: SeamDims, mp: int) -> int:
+  """Rows of the shared-memory buffer that holds attn's or xb's 64-column
+  tiles: tile k is rows k * Mp .. k * Mp + 63. Only its first Mp rows are
+  loaded; the rest overlap the next tiles, whose values reach only product
+  rows that are never stored (a product row depends on its own row only),
+  so the tiles take Mp rows each instead of 64."""
+  return (max(dims.a, dims.d) // BLOCK - 1) * mp + ROWS
+
+
+def smem_bytes(dims: SeamDims, mp: int, stages: int, itemsize: int = 2) -> int:
+  """Shared memory of one program: the weight slots, the activation tiles,
+  h, two f32 tiles."""
+  return ((stages * BLOCK * COLS + (activation_rows(dims, mp) + ROWS) * BLOCK) * itemsize
           + 2 * ROWS * BLOCK * 4)
 
 
-def fits(dims: SeamDims, mp: int, stages: int = STAGES, sms: int = 132) -> bool:
+def default_stages(dims: SeamDims, mp: int) -> int:
+  """The most weight slots shared memory leaves (at most MAX_STAGES)."""
+  stages = MAX_STAGES
+  while stages > 2 and smem_bytes(dims, mp, stages) > SMEM_BYTES - 1024:
+    stages -= 1
+  return stages
+
+
+def fits(dims: SeamDims, mp: int, stages: int | None = None, sms: int = 132) -> bool:
+  stages = stages or default_stages(dims, mp)
   return (mp % 8 == 0 and 8 <= mp <= ROWS and programs_needed(dims) <= sms
           and dims.nq // BLOCK <= dims.mlp_programs
-          and smem_bytes(dims, stages) <= SMEM_BYTES)
+          and smem_bytes(dims, mp, stages) <= SMEM_BYTES - 1024)
 
 
 @functools.partial(jax.jit, static_argnames=("dims", "has_next", "eps", "programs", "stages"))
 def layer_seam_gpu(attn, stream, r, xb, ss, qkv, layer, *, dims: SeamDims, has_next: bool,
-                   eps: float, programs: int, stages: int = STAGES):
+                   eps: float, programs: int, stages: int | None = None):
   """attn [Mp, A], stream (`reference.seam_layout`, layers stacked), r [Mp,
   D] f32 (this layer's input residual), xb [Mp, D] (scratch), ss [Mp, 64]
   f32 (zero), qkv [Mp, Nq] f32 (any); Mp a multiple of 8. Returns (r', xb,
@@ -94,6 +111,7 @@ def layer_seam_gpu(attn, stream, r, xb, ss, qkv, layer, *, dims: SeamDims, has_n
   next layer's unscaled q/k/v (both when has_next)."""
   mp, d = r.shape
   dtype = stream.dtype
+  stages = stages or default_stages(dims, mp)
   n_mlp, n_own = dims.mlp_programs, dims.owners
   o_steps, gu_steps, down_steps = dims.o_steps, dims.gate_up_steps, dims.down_steps
   mlp_steps = dims.mlp_steps
@@ -122,6 +140,9 @@ def layer_seam_gpu(attn, stream, r, xb, ss, qkv, layer, *, dims: SeamDims, has_n
       return jnp.where(s < n_o, o_block, jnp.where(s < n_o + n_m, m_block, next_qkv + p))
 
     def scope(xs_smem, h_smem, out_smem, attn_bar, x_bar, stage_bar):
+      def tile(k):  # activation tile k (see `activation_rows`)
+        return xs_smem.at[pl.ds(k * mp, ROWS)]
+
       def zero_rows(dst):
         """Stores zeros into dst [Mp, 64] through out slot 0."""
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -153,7 +174,7 @@ def layer_seam_gpu(attn, stream, r, xb, ss, qkv, layer, *, dims: SeamDims, has_n
           def _owner_prologue():
             for k in range(dims.a // BLOCK):
               plgpu.copy_gmem_to_smem(attn_gmem.at[:, pl.ds(k * BLOCK, BLOCK)],
-                                      xs_smem.at[k, rows], attn_bar)
+                                      xs_smem.at[pl.ds(k * mp, mp)], attn_bar)
             plgpu.copy_gmem_to_smem(r_gmem.at[:, pl.ds(owner * BLOCK, BLOCK)],
                                     out_smem.at[0, rows], stage_bar)
 
@@ -186,8 +207,8 @@ def layer_seam_gpu(attn, stream, r, xb, ss, qkv, layer, *, dims: SeamDims, has_n
           @pl.when(s == 0)
           def _():
             plgpu.barrier_wait(attn_bar)
-          plgpu.wgmma(acc_a, xs_smem.at[2 * s], w_lo)
-          plgpu.wgmma(acc_a, xs_smem.at[2 * s + 1], w_hi)
+          plgpu.wgmma(acc_a, tile(2 * s), w_lo)
+          plgpu.wgmma(acc_a, tile(2 * s + 1), w_hi)
           plgpu.wgmma_wait(2)  # the last step's products are done: its slot goes back
 
           @pl.when(s == o_steps - 1)
@@ -200,16 +221,16 @@ def layer_seam_gpu(attn, stream, r, xb, ss, qkv, layer, *, dims: SeamDims, has_n
         def _mlp_start():
           plgpu.semaphore_wait(sems.at[0], n_own, decrement=False, memory_scope="gpu")
           for k in range(k_tiles):
-            plgpu.copy_gmem_to_smem(xb_gmem.at[:, pl.ds(k * BLOCK, BLOCK)], xs_smem.at[k, rows],
-                                    x_bar)
+            plgpu.copy_gmem_to_smem(xb_gmem.at[:, pl.ds(k * BLOCK, BLOCK)],
+                                    xs_smem.at[pl.ds(k * mp, mp)], x_bar)
           plgpu.wait_smem_to_gmem(0, wait_read_only=True)
           plgpu.copy_gmem_to_smem(ss_gmem, out_smem.at[0, rows], stage_bar)
           plgpu.barrier_wait(x_bar)
 
         @pl.when(in_mlp & (t < gu_steps))
         def _gate_up():
-          plgpu.wgmma(acc_a, xs_smem.at[t], w_lo)
-          plgpu.wgmma(acc_b, xs_smem.at[t], w_hi)
+          plgpu.wgmma(acc_a, tile(t), w_lo)
+          plgpu.wgmma(acc_b, tile(t), w_hi)
           plgpu.wgmma_wait(2)
 
         @pl.when(in_mlp & (t == gu_steps - 1))
@@ -259,12 +280,12 @@ def layer_seam_gpu(attn, stream, r, xb, ss, qkv, layer, *, dims: SeamDims, has_n
                                     stage_bar)
             plgpu.barrier_wait(stage_bar)
             x = plgpu.load(out_smem.at[0], (), layout=plgpu.Layout.WGMMA)
-            xs_smem[0] = x.astype(dtype)
+            tile(0)[...] = x.astype(dtype)
             plgpu.commit_smem()
 
             def halves(acc_lo, acc_hi):
-              plgpu.wgmma(acc_lo, xs_smem.at[0], w_lo)
-              plgpu.wgmma(acc_hi, xs_smem.at[0], w_hi)
+              plgpu.wgmma(acc_lo, tile(0), w_lo)
+              plgpu.wgmma(acc_hi, tile(0), w_hi)
               plgpu.wgmma_wait(0)
               store_halves(acc_lo, acc_hi, qkv_gmem, (p // k_tiles) * COLS)
 
@@ -283,7 +304,7 @@ def layer_seam_gpu(attn, stream, r, xb, ss, qkv, layer, *, dims: SeamDims, has_n
 
     pl.run_scoped(
         scope,
-        plgpu.SMEM((max(dims.a, dims.d) // BLOCK, ROWS, BLOCK), dtype,
+        plgpu.SMEM((activation_rows(dims, mp), BLOCK), dtype,
                    transforms=_transforms(BLOCK, 2)),  # attn or xb, whole
         plgpu.SMEM((ROWS, BLOCK), dtype, transforms=_transforms(BLOCK, 2)),  # h
         plgpu.SMEM((2, ROWS, BLOCK), jnp.float32, transforms=_transforms(BLOCK, 4)),

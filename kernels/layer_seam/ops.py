@@ -6,12 +6,12 @@ import jax
 import jax.numpy as jnp
 
 from kernels import common
-from kernels.layer_seam.gpu import STAGES, fits, layer_seam_gpu, programs_needed
+from kernels.layer_seam.gpu import fits, layer_seam_gpu, programs_needed
 from kernels.layer_seam.reference import BLOCK, COLS, SeamDims, layer_seam_reference
 
 
 def layer_seam(r, attn, stream, xb, ss, qkv, layer: int, *, dims: SeamDims, has_next: bool,
-               eps: float, impl: str = "auto", stages: int = STAGES):
+               eps: float, impl: str = "auto", stages: int | None = None):
   """Layer `layer`'s o projection, residual, RMSNorm (its weight folded into
   gate/up), SwiGLU MLP and residual, then (`has_next`) layer `layer + 1`'s
   q/k/v projection of the result, unscaled and without bias

@@ -1,0 +1,102 @@
+"""Probe: one draft pass of Qwen2.5-0.5B shapes (24 layers, a streaming
+window of 16 + 496 rows) with the seams between attentions as one resident
+kernel per layer (`draft_mlp="seam"`) against the package's default draft
+(`"kernel_prefetch"`: six kernels between attentions), in one process. Not
+part of the package.
+
+Wall clock of 30 queued passes (jit, block_until_ready, warm-up excluded,
+fastest of 3). Variants: the seam kernel's weight slots (MAX_STAGES).
+
+Usage (on the GPU): python results/h200/layer_seam/probe.py --out=$OUT
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", ".."))
+from configs.shapes import PAIRS  # noqa: E402
+from dustin_jax.config import ModelConfig  # noqa: E402
+from kernels.layer_seam import gpu as seam_gpu  # noqa: E402
+from scripts.benchmarking import random_cache, random_model  # noqa: E402
+
+
+def timed(fn, *args, repeats=30):
+  jax.block_until_ready(fn(*args))
+  jax.block_until_ready(fn(*args))
+  best = []
+  for _ in range(3):
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+      out = fn(*args)
+    jax.block_until_ready(out)
+    best.append((time.perf_counter() - t0) / repeats)
+  return min(best) * 1e6
+
+
+def main():
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--out", default=".")
+  ap.add_argument("--batch", type=int, default=16)
+  ap.add_argument("--context", type=int, default=4096)
+  ap.add_argument("--stages", default="10,6,4")
+  args = ap.parse_args()
+  cfg = ModelConfig.from_hf(dict(PAIRS["qwen7b"][1]), dtype="bfloat16")
+  base = random_model(cfg, 1)
+  models = {"kernel_prefetch": base.with_draft_mlp("kernel_prefetch"),
+            "seam": base.with_draft_mlp("seam")}
+  cache = random_cache(cfg, args.batch, args.context + 64, args.context, 13)
+  window = (16, 496)
+  result = dict(device=jax.devices()[0].device_kind, jax=jax.__version__, batch=args.batch,
+                context=args.context, layers=cfg.num_layers, runs=[])
+
+  def forward_fn(model):
+    from flax import nnx
+
+    @jax.jit
+    def fwd(state, tokens, cache):
+      module = nnx.merge(model.graphdef, state)
+      hidden, _, _ = module(tokens, cache, window=window)
+      return hidden
+    return fwd
+
+  outputs = {}
+  for t in (1, 2):
+    tokens = jax.random.randint(jax.random.key(t), (args.batch, t), 0, cfg.vocab_size)
+    variants = [("kernel_prefetch", None)] + [("seam", int(s)) for s in args.stages.split(",")]
+    for mode, stages in variants:
+      if stages is not None:
+        seam_gpu.MAX_STAGES = stages
+        jax.clear_caches()
+      model = models[mode]
+      fn = forward_fn(model)
+      try:
+        us = timed(fn, model.state, tokens, cache)
+      except Exception as e:  # a variant that fails is reported, not fatal
+        result["runs"].append(dict(mode=mode, stages=stages, rows=args.batch * t,
+                                   error=f"{type(e).__name__}: {str(e)[:1500]}"))
+        print(mode, stages, "failed:", type(e).__name__, str(e)[:400], flush=True)
+        continue
+      out = np.asarray(fn(model.state, tokens, cache).astype(jnp.float32))
+      outputs[(mode, t)] = out
+      rec = dict(mode=mode, stages=stages, rows=args.batch * t, us_per_pass=us,
+                 us_per_layer=us / cfg.num_layers)
+      if mode == "seam":
+        ref = outputs[("kernel_prefetch", t)]
+        rec["max_abs_diff_vs_kernel_prefetch"] = float(np.max(np.abs(out - ref)))
+        rec["max_abs_kernel_prefetch"] = float(np.max(np.abs(ref)))
+      result["runs"].append(rec)
+      print(json.dumps(rec), flush=True)
+  with open(os.path.join(args.out, "probe.json"), "w") as f:
+    json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+  main()
