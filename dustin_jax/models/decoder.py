@@ -31,6 +31,7 @@ from jax.sharding import PartitionSpec as P
 from dustin_jax import sharding
 from dustin_jax.cache import KVCache, write_rows
 from dustin_jax.config import ModelConfig, rope_inv_freq
+from kernels.common import round_up
 from kernels.decode_attention.ops import decode_attention
 from kernels.layer_seam.ops import layer_seam
 from kernels.layer_seam.reference import BLOCK as SEAM_BLOCK
@@ -383,14 +384,14 @@ class Decoder(nnx.Module):
   def _seam_pass(self, tokens, cache, cos, sin, window, tap_layers, impl):
     """`__call__` over a streaming draft's window with the work between two
     attentions as one kernel (`kernels.layer_seam`): layer 0's q/k/v is one
-    GEMM; then per layer the attention (its prologue scales the q/k/v rows
-    by the residual's RMSNorm scale and adds the bias), then layer i's o,
+    GEMM; then per layer the q/k/v rows scaled by the residual's RMSNorm
+    scale plus the bias (one XLA fusion), the attention, then layer i's o,
     MLP and layer i + 1's q/k/v. The residual stream stays f32 ([Mp, D], the
     rows padded to a multiple of 8) until the final norm."""
     cfg = self.cfg
     b, t = tokens.shape
     m = b * t
-    mp = -(-m // 8) * 8
+    mp = round_up(m, 8)
     dtype = self.embed_tokens.dtype
     f32 = jnp.float32
     dims = self.seam_dims()

@@ -18,7 +18,7 @@ returning (r' [Mp, D], qkv [Mp, Nq]). The RMSNorm weights are folded into
 gate/up and q/k/v (``Decoder.fold_norm_weights``), so the norm is the row
 scale s, applied to the products (exact: a product is linear in its row).
 The q/k/v projection is returned unscaled and without its bias: the
-attention's prologue applies r''s row scale and the bias.
+caller applies r''s row scale and the bias before the attention.
 
 Layout (``seam_layout``): one layer's o [A, D], gate_up [D, 2F] (gate_j in
 column 2j, up_j in 2j + 1), down [F, D] and qkv [D, Nq] as blocks of 64 x
