@@ -5,20 +5,21 @@ and the XLA merge of their partials), at the 0.5B draft's shapes (B 16,
 
 Correctness: one layer against `window_attention_reference` (outputs and
 the written cache rows). Speed: a chain of 24 layers' calls in one jit
-(distinct caches), wall clock of 30 queued chains, fastest of 3, warm-up
-excluded, us per layer: Triton on the packed q/k/v; Mosaic with its inputs
-packed by XLA in the same jit (`pack_inputs`); Mosaic alone (inputs packed
-once, outside).
+(distinct caches, donated and fed back: updated in place), wall clock of
+30 queued chains, fastest of 3, warm-up
+excluded, us per layer: Triton on the packed q/k/v; Mosaic (one program
+per (b, h), and four merged in the kernel) with its inputs packed by XLA in
+the same jit (`pack_inputs`), and alone (inputs packed once, outside).
 
 Usage (on the GPU): python results/h200/window_mgpu/probe.py --out=$OUT
 """
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -31,12 +32,8 @@ from kernel import pack_inputs, window_attention_heads  # noqa: E402
 from kernels.window_attention.ops import window_attention  # noqa: E402
 from kernels.window_attention.reference import window_attention_reference  # noqa: E402
 
-_spec = importlib.util.spec_from_file_location(
-    "seam_probe", os.path.join(HERE, "..", "layer_seam", "probe.py"))
-seam_probe = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(seam_probe)
-
 B, HKV, G, D, SINK, WINDOW, LAYERS = 16, 2, 7, 64, 16, 496, 24
+SPLITS = (1, 4)  # one program per (b, h); four, merged by program 0
 
 
 def tables(lengths, t):
@@ -46,10 +43,23 @@ def tables(lengths, t):
   return jnp.cos(ang), jnp.sin(ang)
 
 
-def chain_wall_us(fn, *args):
-  """us per layer of a 24-layer chain: `timed` of the seam probe (30
-  queued calls, fastest of 3, warm-up excluded)."""
-  return seam_probe.timed(fn, *args) / LAYERS
+def chain_wall_us(fn, kc, vc, *inputs, repeats=30):
+  """us per layer of a 24-layer chain `fn(kc, vc, *inputs) -> (outs, kc,
+  vc)` whose caches are donated and fed back (updated in place, as in the
+  decoder): 30 queued calls, fastest of 3, warm-up excluded. Returns the
+  time and the caches."""
+  fn = jax.jit(fn, donate_argnums=(0, 1))
+  for _ in range(2):
+    out, kc, vc = fn(kc, vc, *inputs)
+  jax.block_until_ready(out)
+  best = []
+  for _ in range(3):
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+      out, kc, vc = fn(kc, vc, *inputs)
+    jax.block_until_ready((out, kc, vc))
+    best.append((time.perf_counter() - t0) / repeats)
+  return min(best) * 1e6 / LAYERS, kc, vc
 
 
 def main():
@@ -73,22 +83,27 @@ def main():
     want, wk, wv = window_attention_reference(qkv[0], kc[0], vc[0], lengths, cos, sin,
                                               n_sink=SINK, n_window=WINDOW)
     q, kvn = pack_inputs(qkv[0], cos, sin)
-    try:
-      got, gk, gv = window_attention_heads(q, kvn, jnp.copy(kc[0]), jnp.copy(vc[0]), lengths, g=G,
-                                           t=t, n_sink=SINK, n_window=WINDOW)
-      want_heads = want.transpose(2, 0, 1, 3).reshape(G * HKV, B * t, D)
-      rec["max_abs_diff_out"] = float(jnp.max(jnp.abs(got.astype(jnp.float32)
-                                                      - want_heads.astype(jnp.float32))))
-      rec["max_abs_out"] = float(jnp.max(jnp.abs(want_heads.astype(jnp.float32))))
-      rec["max_abs_diff_k_cache"] = float(jnp.max(jnp.abs(gk.astype(jnp.float32) - wk.astype(jnp.float32))))
-      rec["max_abs_diff_v_cache"] = float(jnp.max(jnp.abs(gv.astype(jnp.float32) - wv.astype(jnp.float32))))
-    except Exception as e:  # reported, not fatal
-      rec["error"] = f"{type(e).__name__}: {str(e)[:1500]}"
+    want_heads = want.transpose(2, 0, 1, 3).reshape(G * HKV, B * t, D).astype(jnp.float32)
+    failed = False
+    for splits in SPLITS:
+      try:
+        got, gk, gv = window_attention_heads(q, kvn, jnp.copy(kc[0]), jnp.copy(vc[0]), lengths,
+                                             g=G, t=t, n_sink=SINK, n_window=WINDOW,
+                                             splits=splits)
+        rec[f"splits{splits}_max_abs_diff_out"] = float(jnp.max(jnp.abs(
+            got.astype(jnp.float32) - want_heads)))
+        rec[f"splits{splits}_max_abs_diff_caches"] = max(
+            float(jnp.max(jnp.abs(gk.astype(jnp.float32) - wk.astype(jnp.float32)))),
+            float(jnp.max(jnp.abs(gv.astype(jnp.float32) - wv.astype(jnp.float32)))))
+      except Exception as e:  # reported, not fatal
+        rec[f"splits{splits}_error"] = f"{type(e).__name__}: {str(e)[:1500]}"
+        failed = True
+    rec["max_abs_out"] = float(jnp.max(jnp.abs(want_heads)))
+    if failed:
       print(json.dumps(rec), flush=True)
       result["runs"].append(rec)
       continue
 
-    @jax.jit
     def triton(kc, vc, qkv):
       outs = []
       for i in range(LAYERS):
@@ -98,35 +113,29 @@ def main():
         outs.append(o[0, 0, 0, 0])
       return jnp.stack(outs), kc, vc
 
-    @jax.jit
-    def mosaic_packed(kc, vc, qkv):
-      outs = []
-      for i in range(LAYERS):
-        q, kvn = pack_inputs(qkv[i], cos, sin)
-        o, k, v = window_attention_heads(q, kvn, kc[i], vc[i], lengths, g=G, t=t, n_sink=SINK,
-                                         n_window=WINDOW)
-        kc, vc = kc.at[i].set(k), vc.at[i].set(v)
-        outs.append(o[0, 0, 0])
-      return jnp.stack(outs), kc, vc
+    def mosaic_chain(splits, packed_inside):
+      def chain(kc, vc, *inputs):
+        outs = []
+        for i in range(LAYERS):
+          q, kvn = pack_inputs(inputs[0][i], cos, sin) if packed_inside else (inputs[0][i],
+                                                                               inputs[1][i])
+          o, k, v = window_attention_heads(q, kvn, kc[i], vc[i], lengths, g=G, t=t,
+                                           n_sink=SINK, n_window=WINDOW, splits=splits)
+          kc, vc = kc.at[i].set(k), vc.at[i].set(v)
+          outs.append(o[0, 0, 0])
+        return jnp.stack(outs), kc, vc
+      return chain
 
     packed = [pack_inputs(qkv[i], cos, sin) for i in range(LAYERS)]
     qs = jnp.stack([p[0] for p in packed])
     kvns = jnp.stack([p[1] for p in packed])
-
-    @jax.jit
-    def mosaic_alone(kc, vc, qs, kvns):
-      outs = []
-      for i in range(LAYERS):
-        o, k, v = window_attention_heads(qs[i], kvns[i], kc[i], vc[i], lengths, g=G, t=t,
-                                         n_sink=SINK, n_window=WINDOW)
-        kc, vc = kc.at[i].set(k), vc.at[i].set(v)
-        outs.append(o[0, 0, 0])
-      return jnp.stack(outs), kc, vc
-
-    for name, fn, extra in (("triton", triton, (qkv,)), ("mosaic_packed", mosaic_packed, (qkv,)),
-                            ("mosaic_alone", mosaic_alone, (qs, kvns))):
+    variants = [("triton", triton, (qkv,))]
+    for splits in SPLITS:
+      variants += [(f"mosaic_s{splits}_packed", mosaic_chain(splits, True), (qkv,)),
+                   (f"mosaic_s{splits}_alone", mosaic_chain(splits, False), (qs, kvns))]
+    for name, fn, extra in variants:
       try:
-        rec[f"{name}_us_per_layer"] = chain_wall_us(fn, kc, vc, *extra)
+        rec[f"{name}_us_per_layer"], kc, vc = chain_wall_us(fn, kc, vc, *extra)
       except Exception as e:
         rec[f"{name}_error"] = f"{type(e).__name__}: {str(e)[:800]}"
     print(json.dumps(rec), flush=True)
