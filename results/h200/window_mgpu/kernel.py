@@ -2,10 +2,12 @@
 attention for Hopper in Mosaic GPU, in the layouts the seam pass could feed
 and read without XLA kernels between (see ../window_mgpu/README.md).
 
-One program per (sequence b, KV head h), one warpgroup, every load issued
-at the start (the block's k/v, the sink and all window tiles: ~140 KB of
-shared memory at a 512-row window), then an online softmax over the block,
-the sink and the window tiles as they land. No split, so no merge after.
+`splits` programs per (sequence b, KV head h), one warpgroup each, every
+load issued at the start (program 0: the block's k/v and the sink; each
+program: its window tiles), then an online softmax over them as they
+land. At one split a program walks all four window tiles from shared
+memory (~210 KB) and nothing is merged; at four, one tile each, and program
+0 merges the others' partials (a GMEM semaphore) with no XLA kernel after.
 
 Inputs (built by `pack_inputs`, which the seam pass's row-scale/bias XLA
 fusion would also do):
@@ -20,7 +22,8 @@ compiler can prove a multiple of 8, so window tiles start at
 (w0 // 8) * 8 and mask the rows before w0; the T-row cache writes and the
 head-major output rows go through untiled shared memory. Interpret mode
 (jax 0.10.2) has no transposed WGMMA operand and no register operand, so
-this kernel has no interpret path; `reference` is the oracle on the GPU.
+this kernel has no interpret path: on the GPU `probe.py` compares it with
+the package's reference, on the CPU `tiled_reference` checks its arithmetic.
 """
 from __future__ import annotations
 
