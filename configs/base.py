@@ -47,7 +47,8 @@ def base_config() -> ml_collections.ConfigDict:
                                   # pass, Hopper, one device) | kernel_prefetch (the kernel,
                                   # sending the next layer's q/k/v and o to L2) | seam
                                   # (streaming draft: o, MLP and next q/k/v as one
-                                  # resident kernel per layer, opt-in); auto:
+                                  # resident kernel per layer, opt-in) | seam_mosaic
+                                  # (the seam, the attention a Mosaic GPU kernel); auto:
                                   # kernel_prefetch wherever it runs
 
   c.selection = ml_collections.ConfigDict()

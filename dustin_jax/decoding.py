@@ -47,19 +47,19 @@ class Model(NamedTuple):
   def with_draft_mlp(self, mode: str) -> "Model":
     """This model as a draft whose MLPs run as `mode` says (a resolved
     mode of `resolve_draft_mlp`)."""
-    if mode not in ("xla", "kernel", "kernel_prefetch", "seam"):
+    if mode not in ("xla", "kernel", "kernel_prefetch", "seam", "seam_mosaic"):
       raise ValueError(f"with_draft_mlp takes a resolved draft_mlp: 'xla', 'kernel', "
-                       f"'kernel_prefetch' or 'seam', got {mode!r}")
+                       f"'kernel_prefetch', 'seam' or 'seam_mosaic', got {mode!r}")
     if mode == "xla":
       return self
-    if mode == "seam":
+    if mode in ("seam", "seam_mosaic"):
       module = nnx.merge(self.graphdef, self.state)
-      module.fuse_seams()
+      module.fuse_seams(attention="mosaic" if mode == "seam_mosaic" else "triton")
       return Model(self.cfg, *nnx.split(module))
     return self.with_streamed_mlps(prefetch_next_layer=mode == "kernel_prefetch")
 
 
-DRAFT_MLPS = ("auto", "xla", "kernel", "kernel_prefetch", "seam")
+DRAFT_MLPS = ("auto", "xla", "kernel", "kernel_prefetch", "seam", "seam_mosaic")
 
 
 def resolve_draft_mlp(mode: str, cfg: ModelConfig, mesh=None) -> str:
@@ -68,8 +68,10 @@ def resolve_draft_mlp(mode: str, cfg: ModelConfig, mesh=None) -> str:
   128, intermediate size of 64, bf16 / f16), "kernel_prefetch" (that
   kernel, which also sends the next layer's q/k/v and o to L2), "seam"
   (a streaming draft's o, MLP and next q/k/v as one resident kernel per
-  layer-pass, `kernels.layer_seam`; the same conditions) or "xla" (its
-  GEMMs); "auto": "kernel_prefetch" wherever the kernel can run."""
+  layer-pass, `kernels.layer_seam`; the same conditions), "seam_mosaic"
+  (the seam with the pass's attention as a Mosaic GPU kernel that writes
+  the seam's rows, `window_attention_rows`) or "xla" (its GEMMs); "auto":
+  "kernel_prefetch" wherever the kernel can run."""
   from kernels.common import is_hopper
   if mode not in DRAFT_MLPS:
     raise ValueError(f"draft_mlp must be one of {DRAFT_MLPS}, got {mode!r}")

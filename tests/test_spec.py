@@ -52,15 +52,17 @@ def test_greedy_speculative_equals_greedy_vanilla(pair, gamma, rng):
     assert stats.accepted > 0, "the noisy draft should agree with the target sometimes"
 
 
-@pytest.mark.parametrize("mode", ["kernel", "kernel_prefetch", "seam"])
+@pytest.mark.parametrize("mode", ["kernel", "kernel_prefetch", "seam", "seam_mosaic"])
 def test_greedy_speculative_with_one_kernel_draft_mlps_equals_greedy_vanilla(
     tmp_path, rng, mode):
   """A draft whose MLPs run as kernels.swiglu_mlp, with or without the next
   layer's L2 prefetches, or whose seams between attentions run as
-  kernels.layer_seam (on a Hopper GPU; their references elsewhere), keeps
-  greedy speculative decoding lossless."""
+  kernels.layer_seam, with the Triton or the Mosaic window attention (on a
+  Hopper GPU; their references elsewhere), keeps greedy speculative
+  decoding lossless."""
+  # head_dim 64: the seam_mosaic draft's attention kernel takes it
   save_tiny_checkpoint(tmp_path, "qwen2", seed=5, num_hidden_layers=2, hidden_size=128,
-                       intermediate_size=128)
+                       intermediate_size=128, num_attention_heads=2)
   target = Model(*load_hf_checkpoint(str(tmp_path), dtype="bfloat16"))
   noisy = jax.tree.map(lambda n, w: n.astype(w.dtype), noisy_copy(target, 0.3).state,
                        target.state)

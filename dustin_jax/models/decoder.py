@@ -31,7 +31,7 @@ from jax.sharding import PartitionSpec as P
 from dustin_jax import sharding
 from dustin_jax.cache import KVCache, write_rows
 from dustin_jax.config import ModelConfig, rope_inv_freq
-from kernels.common import round_up
+from kernels.common import resolve_impl, round_up
 from kernels.decode_attention.ops import decode_attention
 from kernels.layer_seam.ops import layer_seam
 from kernels.layer_seam.reference import BLOCK as SEAM_BLOCK
@@ -39,7 +39,8 @@ from kernels.layer_seam.reference import SeamDims, row_scale, seam_layout
 from kernels.sparse_verify.ops import sparse_verify_packed
 from kernels.swiglu_mlp import ops as swiglu_mlp_ops
 from kernels.swiglu_mlp.reference import stream_layout, unstream_layout
-from kernels.window_attention.ops import window_attention
+from kernels.window_attention import mosaic_gpu as window_mosaic
+from kernels.window_attention.ops import window_attention, window_attention_rows
 
 
 def attention(q, k, v, k_cache, v_cache, lengths, impl, mesh):
@@ -347,6 +348,7 @@ class Decoder(nnx.Module):
     # whether a layer's MLP kernel sends the next layer's q/k/v and o to L2 (`stream_mlps`)
     self.prefetch_next_layer = False
     self.seam_stream = None  # every layer's o, MLP and q/k/v in one stream, after `fuse_seams()`
+    self.seam_attention = "triton"  # the seam pass's attention kernel on GPU (`fuse_seams`)
 
   def __call__(self, tokens: jax.Array, cache: KVCache, *,
                kv_indices: jax.Array | None = None, window: tuple[int, int] | None = None,
@@ -403,6 +405,11 @@ class Decoder(nnx.Module):
     ss = jnp.zeros((mp, SEAM_BLOCK), f32)
     stream = self.seam_stream[...]
     g = cfg.num_kv_heads
+    half = cfg.head_dim // 2  # the rope tables' halves repeat
+    attention_impl = "reference" if impl == "auto" and t > 16 else impl  # as `packed_attention`
+    if (self.seam_attention == "mosaic" and resolve_impl(attention_impl) == "gpu"
+        and window_mosaic.fits(b, t, g, cfg.num_heads // g, cfg.head_dim, dtype, *window)):
+      attention_impl = "mosaic"
     taps = {}
     for i, layer in enumerate(self.layers):
       attention = layer.self_attn
@@ -410,9 +417,10 @@ class Decoder(nnx.Module):
       if attention.qkv_proj.bias is not None:
         scaled = scaled + attention.qkv_proj.bias[...].astype(f32)
       packed = scaled[:m].astype(dtype).reshape(b, t, g, cfg.num_heads // g + 2, cfg.head_dim)
-      out, k, v = packed_attention(packed, cache.k[i], cache.v[i], cache.lengths, cos, sin, impl,
-                                   None, window=window)
-      attn = jnp.pad(out.reshape(m, -1), ((0, mp - m), (0, 0)))
+      attn, k, v = window_attention_rows(packed, cache.k[i], cache.v[i], cache.lengths,
+                                         cos[..., :half], sin[..., :half], n_sink=window[0],
+                                         n_window=window[1], impl=attention_impl)
+      attn = jnp.pad(attn, ((0, mp - m), (0, 0)))
       r, xb, ss, qkv = layer_seam(r, attn, stream, xb, ss, qkv, i, dims=dims,
                                   has_next=i + 1 < len(self.layers), eps=cfg.rms_norm_eps,
                                   impl=impl)
@@ -428,14 +436,19 @@ class Decoder(nnx.Module):
     return SeamDims(cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.intermediate_size,
                     (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim)
 
-  def fuse_seams(self):
+  def fuse_seams(self, attention: str = "triton"):
     """Every layer's o, MLP and q/k/v matrices also in one stream of blocks
     (`kernels.layer_seam.reference.seam_layout`, layers stacked), which a
     streaming draft's pass of at most 64 rows reads through one kernel per
     layer (`_seam_pass`). The layers keep their weights (the prefill and
     longer blocks run them): the stream is a second copy of all but the
     embeddings (~0.9 GB for Qwen2.5-0.5B). Needs folded norm weights
-    (`fold_norm_weights`) and no o bias."""
+    (`fold_norm_weights`) and no o bias. `attention`: the pass's attention
+    kernel on a GPU, "triton" (`window_attention`) or "mosaic"
+    (`window_attention_rows`' Mosaic GPU kernel where it takes the shapes)."""
+    if attention not in ("triton", "mosaic"):
+      raise ValueError(f"attention must be 'triton' or 'mosaic', got {attention!r}")
+    self.seam_attention = attention
     blocks = []
     for layer in self.layers:
       attention, mlp = layer.self_attn, layer.mlp

@@ -2,8 +2,9 @@
 from __future__ import annotations
 
 from kernels import common
+from kernels.window_attention import mosaic_gpu
 from kernels.window_attention.gpu import window_attention_gpu
-from kernels.window_attention.reference import window_attention_reference
+from kernels.window_attention.reference import check_shapes, window_attention_reference
 
 
 def window_attention(qkv, k_cache, v_cache, lengths, cos, sin, *, n_sink,
@@ -49,3 +50,31 @@ def window_attention(qkv, k_cache, v_cache, lengths, cos, sin, *, n_sink,
   return window_attention_reference(qkv, k_cache, v_cache, lengths, cos, sin,
                                     n_sink=n_sink, n_window=n_window,
                                     scale=scale)
+
+
+def window_attention_rows(qkv, k_cache, v_cache, lengths, cos, sin, *, n_sink, n_window,
+                          impl="auto", splits=None, **tuning):
+  """`window_attention` with its output as token rows [B * T, Hq * D] (row
+  b * T + t, query head h's columns h * D .. h * D + D - 1): the input
+  layout of the o projection after it.
+
+  impl "mosaic": the Mosaic GPU kernel (`mosaic_gpu`, Hopper; head_dim 64,
+  T <= 8, G * T <= 64, 16-bit dtypes), which writes those rows itself, its
+  inputs packed by one XLA fusion (`pack_window_inputs`); `splits` programs
+  per (sequence, KV head), merged in the kernel (default:
+  `mosaic_gpu.default_splits`). Any other impl: `window_attention` (its
+  `tuning`), then a reshape. Returns (out, k_cache, v_cache)."""
+  if impl == "mosaic":
+    b, t, hkv, g2, _ = qkv.shape
+    check_shapes(qkv, k_cache, v_cache, lengths, cos, sin, n_sink, n_window)
+    splits = splits or mosaic_gpu.default_splits(b, hkv, int(n_window))
+    mosaic_gpu.check_args(qkv, k_cache, int(n_sink), int(n_window), splits)
+    q, kv_new = mosaic_gpu.pack_window_inputs(qkv, cos, sin)
+    return mosaic_gpu.window_attention_rows_gpu(q, kv_new, k_cache, v_cache, lengths,
+                                                g=g2 - 2, t=t, n_sink=int(n_sink),
+                                                n_window=int(n_window), splits=splits)
+  out, k_cache, v_cache = window_attention(qkv, k_cache, v_cache, lengths, cos, sin,
+                                           n_sink=n_sink, n_window=n_window, impl=impl,
+                                           splits=splits, **tuning)
+  b, t, hq, d = out.shape
+  return out.reshape(b * t, hq * d), k_cache, v_cache

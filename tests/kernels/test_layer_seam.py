@@ -169,29 +169,33 @@ def test_kernel_compiled_equals_reference_over_a_chain_of_layers(m, mp):
 
 
 # ----------------------------------------------------- the decoder, fused
-def _tiny_decoder(seed=3):
+def _tiny_decoder(seed=3, head_dim=32):
   from dustin_jax.config import ModelConfig, RopeConfig
   from dustin_jax.models.decoder import Decoder
   cfg = ModelConfig(model_type="qwen2", vocab_size=101, hidden_size=128, intermediate_size=192,
-                    num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32,
+                    num_layers=2, num_heads=4, num_kv_heads=2, head_dim=head_dim,
                     rope=RopeConfig(theta=1e6), qkv_bias=True, dtype="bfloat16")
+  nq = (cfg.num_heads + 2 * cfg.num_kv_heads) * head_dim
   model = Decoder(cfg, rngs=nnx.Rngs(seed))
   for layer in model.layers:  # non-trivial norm weights and biases, so a missed one shows
     for norm in (layer.input_layernorm, layer.post_attention_layernorm):
       norm.weight = nnx.Param(norm.weight[...] * (1 + 0.3 * jnp.cos(jnp.arange(128.0))))
-    layer.self_attn.qkv_proj.bias = nnx.Param(0.1 * jnp.sin(jnp.arange(256.0)).astype(jnp.bfloat16))
+    layer.self_attn.qkv_proj.bias = nnx.Param(0.1 * jnp.sin(jnp.arange(nq * 1.0)).astype(jnp.bfloat16))
   model.fold_norm_weights()
   return cfg, model
 
 
-def test_decoder_with_fused_seams_equals_the_decoder_on_a_streaming_window():
-  """`Decoder.fuse_seams` keeps a streaming draft's forward (its kernel on a
-  Hopper GPU, the reference elsewhere), the cache rows written and the
+# the pass's attention: the Triton kernel (head_dim 32), the Mosaic one (64)
+@pytest.mark.parametrize("attention,head_dim", [("triton", 32), ("mosaic", 64)])
+def test_decoder_with_fused_seams_equals_the_decoder_on_a_streaming_window(attention, head_dim):
+  """`Decoder.fuse_seams` keeps a streaming draft's forward (its kernels on a
+  Hopper GPU, the references elsewhere), the cache rows written and the
   tapped queries included; blocks of more than 64 rows run the layers."""
   from dustin_jax.cache import KVCache
-  cfg, model = _tiny_decoder()
-  fused = _tiny_decoder()[1]
-  fused.fuse_seams()
+  cfg, model = _tiny_decoder(head_dim=head_dim)
+  fused = _tiny_decoder(head_dim=head_dim)[1]
+  fused.fuse_seams(attention=attention)
+  assert fused.seam_attention == attention
   assert fused.seam_stream.shape == (2 * fused.seam_dims().blocks * 64, 128)
   cache = KVCache.init(cfg, batch=4, max_len=96)
   prompt = jax.random.randint(jax.random.key(0), (4, 40), 0, 101)
@@ -217,3 +221,5 @@ def test_fuse_seams_needs_folded_norms():
                     rope=RopeConfig(theta=1e6), dtype="bfloat16")
   with pytest.raises(ValueError, match="fold_norm_weights"):
     Decoder(cfg, rngs=nnx.Rngs(0)).fuse_seams()
+  with pytest.raises(ValueError, match="'triton' or 'mosaic'"):
+    Decoder(cfg, rngs=nnx.Rngs(0)).fuse_seams(attention="cudnn")

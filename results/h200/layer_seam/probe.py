@@ -1,17 +1,19 @@
 """Probe: one draft pass of Qwen2.5-0.5B shapes (24 layers, a streaming
 window of 16 + 496 rows) with the seams between attentions as one resident
-kernel per layer (`draft_mlp="seam"`) against the package's default draft
-(`"kernel_prefetch"`: six kernels between attentions), in one process. Not
-part of the package.
+kernel per layer (`draft_mlp="seam"`; `"seam_mosaic"`: with the Mosaic GPU
+window attention) against the package's default draft (`"kernel_prefetch"`:
+six kernels between attentions), in one process. Not part of the package.
 
-Wall clock of 30 queued passes (jit, block_until_ready, warm-up excluded,
-fastest of 3). Variants: the seam kernel's weight slots (MAX_STAGES).
+Wall clock of 30 queued passes (jit, the cache donated and fed back so that
+its rows are written in place, block_until_ready, warm-up excluded, fastest
+of 3). Variants: the seam kernel's weight slots (MAX_STAGES).
 
 Usage (on the GPU): python results/h200/layer_seam/probe.py --out=$OUT
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -28,17 +30,21 @@ from kernels.layer_seam import gpu as seam_gpu  # noqa: E402
 from scripts.benchmarking import random_cache, random_model  # noqa: E402
 
 
-def timed(fn, *args, repeats=30):
-  jax.block_until_ready(fn(*args))
-  jax.block_until_ready(fn(*args))
+def timed(fn, state, tokens, cache, repeats=30):
+  """us per call of `fn(state, tokens, cache) -> (hidden, cache)`, the
+  cache donated and fed back (written in place, as in a decode): 30 queued
+  calls, fastest of 3, warm-up excluded. Returns (us, hidden, cache)."""
+  for _ in range(2):
+    hidden, cache = fn(state, tokens, cache)
+  jax.block_until_ready(hidden)
   best = []
   for _ in range(3):
     t0 = time.perf_counter()
     for _ in range(repeats):
-      out = fn(*args)
-    jax.block_until_ready(out)
+      hidden, cache = fn(state, tokens, cache)
+    jax.block_until_ready((hidden, cache))
     best.append((time.perf_counter() - t0) / repeats)
-  return min(best) * 1e6
+  return min(best) * 1e6, hidden, cache
 
 
 def main():
@@ -50,8 +56,7 @@ def main():
   args = ap.parse_args()
   cfg = ModelConfig.from_hf(dict(PAIRS["qwen7b"][1]), dtype="bfloat16")
   base = random_model(cfg, 1)
-  models = {"kernel_prefetch": base.with_draft_mlp("kernel_prefetch"),
-            "seam": base.with_draft_mlp("seam")}
+  models = {mode: base.with_draft_mlp(mode) for mode in ("kernel_prefetch", "seam", "seam_mosaic")}
   cache = random_cache(cfg, args.batch, args.context + 64, args.context, 13)
   window = (16, 496)
   result = dict(device=jax.devices()[0].device_kind, jax=jax.__version__, batch=args.batch,
@@ -60,17 +65,19 @@ def main():
   def forward_fn(model):
     from flax import nnx
 
-    @jax.jit
+    @functools.partial(jax.jit, donate_argnums=(2,))
     def fwd(state, tokens, cache):
       module = nnx.merge(model.graphdef, state)
-      hidden, _, _ = module(tokens, cache, window=window)
-      return hidden
+      hidden, cache, _ = module(tokens, cache, window=window)
+      return hidden, cache
     return fwd
 
   outputs = {}
   for t in (1, 2):
     tokens = jax.random.randint(jax.random.key(t), (args.batch, t), 0, cfg.vocab_size)
-    variants = [("kernel_prefetch", None)] + [("seam", int(s)) for s in args.stages.split(",")]
+    stages = [int(s) for s in args.stages.split(",")]
+    variants = ([("kernel_prefetch", None)] + [("seam", s) for s in stages]
+                + [("seam_mosaic", stages[0])])
     for mode, stages in variants:
       if stages is not None:
         seam_gpu.MAX_STAGES = stages
@@ -78,17 +85,17 @@ def main():
       model = models[mode]
       fn = forward_fn(model)
       try:
-        us = timed(fn, model.state, tokens, cache)
+        us, hidden, cache = timed(fn, model.state, tokens, cache)
       except Exception as e:  # a variant that fails is reported, not fatal
         result["runs"].append(dict(mode=mode, stages=stages, rows=args.batch * t,
                                    error=f"{type(e).__name__}: {str(e)[:1500]}"))
         print(mode, stages, "failed:", type(e).__name__, str(e)[:400], flush=True)
         continue
-      out = np.asarray(fn(model.state, tokens, cache).astype(jnp.float32))
+      out = np.asarray(hidden.astype(jnp.float32))
       outputs[(mode, t)] = out
       rec = dict(mode=mode, stages=stages, rows=args.batch * t, us_per_pass=us,
                  us_per_layer=us / cfg.num_layers)
-      if mode == "seam":
+      if mode != "kernel_prefetch":
         ref = outputs[("kernel_prefetch", t)]
         rec["max_abs_diff_vs_kernel_prefetch"] = float(np.max(np.abs(out - ref)))
         rec["max_abs_kernel_prefetch"] = float(np.max(np.abs(ref)))

@@ -1,7 +1,8 @@
-"""Probe, not part of the package: the Mosaic GPU sink + window attention
-of `kernel.py` against the package's Triton `window_attention` (4 splits
-and the XLA merge of their partials), at the 0.5B draft's shapes (B 16,
-2 KV heads of 7 queries, D 64, 16 sink + 496 window rows), T = 1 and 2.
+"""Probe: the Mosaic GPU sink + window attention
+(`kernels.window_attention.mosaic_gpu`, through `ops.window_attention_rows`)
+against the package's Triton `window_attention` (4 splits and the XLA merge
+of their partials, then a reshape to rows), at the 0.5B draft's shapes
+(B 16, 2 KV heads of 7 queries, D 64, 16 sink + 496 window rows), T = 1, 2.
 
 Correctness: one layer against `window_attention_reference` (outputs and
 the written cache rows). Speed: a chain of 24 layers' calls in one jit
@@ -25,11 +26,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "..", ".."))
-sys.path.insert(0, HERE)
-from kernel import pack_inputs, window_attention_heads  # noqa: E402
-from kernels.window_attention.ops import window_attention  # noqa: E402
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", ".."))
+from kernels.window_attention.mosaic_gpu import (pack_window_inputs,  # noqa: E402
+                                                 window_attention_rows_gpu)
+from kernels.window_attention.ops import window_attention_rows  # noqa: E402
 from kernels.window_attention.reference import window_attention_reference  # noqa: E402
 
 B, HKV, G, D, SINK, WINDOW, LAYERS = 16, 2, 7, 64, 16, 496, 24
@@ -82,57 +82,57 @@ def main():
     # correctness, layer 0
     want, wk, wv = window_attention_reference(qkv[0], kc[0], vc[0], lengths, cos, sin,
                                               n_sink=SINK, n_window=WINDOW)
-    q, kvn = pack_inputs(qkv[0], cos, sin)
-    want_heads = want.transpose(2, 0, 1, 3).reshape(G * HKV, B * t, D).astype(jnp.float32)
+    want_rows = want.reshape(B * t, G * HKV * D).astype(jnp.float32)
     failed = False
     for splits in SPLITS:
       try:
-        got, gk, gv = window_attention_heads(q, kvn, jnp.copy(kc[0]), jnp.copy(vc[0]), lengths,
-                                             g=G, t=t, n_sink=SINK, n_window=WINDOW,
-                                             splits=splits)
+        got, gk, gv = window_attention_rows(qkv[0], jnp.copy(kc[0]), jnp.copy(vc[0]), lengths,
+                                            cos, sin, n_sink=SINK, n_window=WINDOW,
+                                            impl="mosaic", splits=splits)
         rec[f"splits{splits}_max_abs_diff_out"] = float(jnp.max(jnp.abs(
-            got.astype(jnp.float32) - want_heads)))
+            got.astype(jnp.float32) - want_rows)))
         rec[f"splits{splits}_max_abs_diff_caches"] = max(
             float(jnp.max(jnp.abs(gk.astype(jnp.float32) - wk.astype(jnp.float32)))),
             float(jnp.max(jnp.abs(gv.astype(jnp.float32) - wv.astype(jnp.float32)))))
       except Exception as e:  # reported, not fatal
         rec[f"splits{splits}_error"] = f"{type(e).__name__}: {str(e)[:1500]}"
         failed = True
-    rec["max_abs_out"] = float(jnp.max(jnp.abs(want_heads)))
+    rec["max_abs_out"] = float(jnp.max(jnp.abs(want_rows)))
     if failed:
       print(json.dumps(rec), flush=True)
       result["runs"].append(rec)
       continue
 
-    def triton(kc, vc, qkv):
-      outs = []
-      for i in range(LAYERS):
-        o, k, v = window_attention(qkv[i], kc[i], vc[i], lengths, cos, sin, n_sink=SINK,
-                                   n_window=WINDOW, impl="gpu")
-        kc, vc = kc.at[i].set(k), vc.at[i].set(v)
-        outs.append(o[0, 0, 0, 0])
-      return jnp.stack(outs), kc, vc
-
-    def mosaic_chain(splits, packed_inside):
-      def chain(kc, vc, *inputs):
+    def chain(impl, splits=None):
+      def run(kc, vc, qkv):
         outs = []
         for i in range(LAYERS):
-          q, kvn = pack_inputs(inputs[0][i], cos, sin) if packed_inside else (inputs[0][i],
-                                                                               inputs[1][i])
-          o, k, v = window_attention_heads(q, kvn, kc[i], vc[i], lengths, g=G, t=t,
-                                           n_sink=SINK, n_window=WINDOW, splits=splits)
+          o, k, v = window_attention_rows(qkv[i], kc[i], vc[i], lengths, cos, sin,
+                                          n_sink=SINK, n_window=WINDOW, impl=impl,
+                                          splits=splits)
           kc, vc = kc.at[i].set(k), vc.at[i].set(v)
-          outs.append(o[0, 0, 0])
+          outs.append(o[0, 0])
         return jnp.stack(outs), kc, vc
-      return chain
+      return run
 
-    packed = [pack_inputs(qkv[i], cos, sin) for i in range(LAYERS)]
+    def alone(splits):  # the kernel with its inputs packed once, outside
+      def run(kc, vc, qs, kvns):
+        outs = []
+        for i in range(LAYERS):
+          o, k, v = window_attention_rows_gpu(qs[i], kvns[i], kc[i], vc[i], lengths, g=G, t=t,
+                                              n_sink=SINK, n_window=WINDOW, splits=splits)
+          kc, vc = kc.at[i].set(k), vc.at[i].set(v)
+          outs.append(o[0, 0])
+        return jnp.stack(outs), kc, vc
+      return run
+
+    packed = [pack_window_inputs(qkv[i], cos, sin) for i in range(LAYERS)]
     qs = jnp.stack([p[0] for p in packed])
     kvns = jnp.stack([p[1] for p in packed])
-    variants = [("triton", triton, (qkv,))]
+    variants = [("triton", chain("gpu"), (qkv,))]
     for splits in SPLITS:
-      variants += [(f"mosaic_s{splits}_packed", mosaic_chain(splits, True), (qkv,)),
-                   (f"mosaic_s{splits}_alone", mosaic_chain(splits, False), (qs, kvns))]
+      variants += [(f"mosaic_s{splits}", chain("mosaic", splits), (qkv,)),
+                   (f"mosaic_s{splits}_alone", alone(splits), (qs, kvns))]
     for name, fn, extra in variants:
       try:
         rec[f"{name}_us_per_layer"], kc, vc = chain_wall_us(fn, kc, vc, *extra)

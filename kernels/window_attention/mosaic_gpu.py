@@ -1,0 +1,317 @@
+"""Mosaic GPU kernel of a streaming draft's sink + window attention for
+Hopper, writing the output as token rows [B * T, Hq * D]: the layout of the
+o projection that follows (`kernels.layer_seam` reads it as is).
+
+`splits` programs per (sequence b, KV head h), one warpgroup each. Every
+load is issued at the start by TMA (program 0: the queries, the block's
+k/v and 64 sink rows; each program: the queries and its 128-row window
+tiles p, p + splits, ...), then an online softmax over them as they land,
+with WGMMA for q k^T and p v (p through shared memory). At one split a
+program walks the whole window from shared memory (~210 KB) and nothing is
+merged; with more, the other programs store their partial (o, m, l) and
+signal a GMEM semaphore, and program 0 waits and merges them: no XLA
+kernel after (the Triton kernel's partials need one). Program 0 stores the
+output rows and the T new k/v rows into the caches (aliased, in place).
+
+Layouts met on the way (jax's Mosaic GPU lowering):
+  * a TMA into a tiled (swizzled) shared-memory tile wants a GMEM row start
+    the compiler can prove a multiple of 8: the window tiles start at
+    (w0 // 8) * 8 and mask the rows before w0;
+  * WGMMA logits of 16 columns fail layout inference: the block and sink
+    tiles are 64 rows (the block's k/v come zero-padded, `pack_window_inputs`);
+  * T-row stores at rows L or b * T go through untiled shared memory;
+  * loaded V rows outside the window are zeroed before p v (a masked p is 0,
+    but 0 * NaN of a stale row is not).
+jax 0.10.2's interpret mode has no transposed WGMMA operand and no
+`layout_cast`, so this kernel has no interpret path: its tests lower it for
+CUDA on the CPU, check its tiling arithmetic in jnp, and compare it with the
+reference on a Hopper GPU.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from kernels import common
+
+ROWS = 64  # WGMMA's row operand: the G * T query rows, padded
+BLOCK_ROWS = 64  # the block's k/v rows and the sink rows (see the docstring)
+WINDOW_TILE = 128
+MAX_T = 8
+
+
+def _tiled(cols: int, itemsize: int = 2):
+  swizzle = plgpu.find_swizzle(cols * itemsize * 8)
+  return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
+
+
+def pack_window_inputs(qkv, cos, sin):
+  """The kernel's inputs from the packed block qkv [B, T, Hkv, G + 2, D]
+  (before RoPE) and cos, sin [B, T, D // 2]: q [B, Hkv, QR, D] roped, row
+  g * T + t (QR = G * T rounded up to 8), and kv_new [2, B, Hkv, 64, D]
+  (roped k rows, v rows; rows >= T zero). RoPE as `common.rope`: f32, cast
+  back to qkv's dtype. One XLA fusion in a jitted caller."""
+  b, t, hkv, g2, d = qkv.shape
+  g = g2 - 2
+  c = jnp.concatenate([cos, cos], -1)[:, :, None, None].astype(jnp.float32)
+  s = jnp.concatenate([sin, sin], -1)[:, :, None, None].astype(jnp.float32)
+  x = qkv[..., :g + 1, :].astype(jnp.float32)
+  rot = jnp.concatenate([-x[..., d // 2:], x[..., :d // 2]], -1)
+  roped = (x * c + rot * s).astype(qkv.dtype)
+  q = roped[..., :g, :].transpose(0, 2, 3, 1, 4).reshape(b, hkv, g * t, d)
+  q = jnp.pad(q, ((0, 0), (0, 0), (0, common.round_up(g * t, 8) - g * t), (0, 0)))
+  kv = jnp.stack([roped[..., g, :], qkv[..., g + 1, :]]).transpose(0, 1, 3, 2, 4)
+  return q, jnp.pad(kv, ((0, 0), (0, 0), (0, 0), (0, BLOCK_ROWS - t), (0, 0)))
+
+
+def window_tiles(n_window: int) -> int:
+  """128-row tiles that cover a window of n_window rows starting anywhere
+  (its first tile starts up to 7 rows early)."""
+  return common.cdiv(n_window + 7, WINDOW_TILE)
+
+
+def default_splits(batch: int, kv_heads: int, n_window: int, sms: int | None = None) -> int:
+  """One window tile per program where the programs fit the SMs at once
+  (program 0 waits for the others), else one program per (b, h)."""
+  tiles = window_tiles(n_window)
+  sms = sms or common.num_sms()
+  return tiles if batch * kv_heads * tiles <= sms else 1
+
+
+def fits(batch: int, t: int, kv_heads: int, group: int, head_dim: int, dtype, n_sink: int,
+         n_window: int) -> bool:
+  """Whether the kernel takes these shapes (`check_args` says why not)."""
+  try:
+    check_args(jax.ShapeDtypeStruct((batch, t, kv_heads, group + 2, head_dim), dtype),
+               jax.ShapeDtypeStruct((1,), dtype), n_sink, n_window, 1)
+  except ValueError:
+    return False
+  return True
+
+
+def check_args(qkv, k_cache, n_sink: int, n_window: int, splits: int, sms: int | None = None):
+  """Raises ValueError naming what the kernel cannot take (qkv [B, T, Hkv,
+  G + 2, D] and the caches' dtype; the window; the splits)."""
+  b, t, hkv, g2, d = qkv.shape
+  if d != 64:
+    raise ValueError(f"the Mosaic window kernel takes head_dim 64 (shared memory), got {d}")
+  if t > MAX_T or (g2 - 2) * t > ROWS:
+    raise ValueError(f"the Mosaic window kernel takes T <= {MAX_T} and G * T <= {ROWS}, "
+                     f"got T={t}, G={g2 - 2}")
+  if not 0 <= n_sink <= BLOCK_ROWS or n_window < 1:
+    raise ValueError(f"n_sink must be in [0, {BLOCK_ROWS}] and n_window >= 1, got "
+                     f"{n_sink}, {n_window}")
+  if qkv.dtype not in (jnp.bfloat16, jnp.float16) or k_cache.dtype != qkv.dtype:
+    raise ValueError(f"the Mosaic window kernel takes bf16 / f16 q/k/v and caches, got "
+                     f"{qkv.dtype}, {k_cache.dtype}")
+  if not 1 <= splits <= window_tiles(n_window):
+    raise ValueError(f"splits must be in [1, {window_tiles(n_window)}], got {splits}")
+  if splits > 1 and b * hkv * splits > (sms or common.num_sms()):
+    raise ValueError(f"splits={splits}: {b * hkv * splits} programs must be resident at "
+                     f"once (program 0 waits for the others); at most the SM count")
+
+
+@functools.partial(jax.jit, static_argnames=("g", "t", "n_sink", "n_window", "splits"))
+def window_attention_rows_gpu(q, kv_new, k_cache, v_cache, lengths, *, g: int, t: int,
+                              n_sink: int, n_window: int, splits: int):
+  """q, kv_new from `pack_window_inputs`; caches [B, Hkv, S, D]. Returns
+  (out [B * T, Hq * D], k_cache, v_cache) with rows L .. L + T - 1 written."""
+  nb, hkv, qr, d = q.shape
+  n_tiles = window_tiles(n_window)
+  mine = common.cdiv(n_tiles, splits)  # window tiles a program walks
+  ns = BLOCK_ROWS if n_sink else 0
+  scale = common.LOG2E / d ** 0.5
+  dtype = q.dtype
+  f32 = jnp.float32
+
+  def body(len_ref, q_ref, kvn_ref, kc_in, vc_in, out_ref, kc_ref, vc_ref, *partials):
+    del kc_in, vc_in  # aliased to kc_ref, vc_ref
+    b, h, p = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    length = len_ref[b]
+    w0 = jnp.maximum(length - n_window, n_sink)
+    w0a = (w0 // 8) * 8  # provably a multiple of 8 (see the module docstring)
+    first = p == 0
+
+    def scope(q_smem, kb_smem, vb_smem, sk_smem, sv_smem, kw_smem, vw_smem, pb_smem, pw_smem,
+              o_rows, kv_rows, part_smem, bar_q, bar_first, bar_tiles, bar_rows, bar_parts):
+      plgpu.copy_gmem_to_smem(q_ref.at[b, h], q_smem.at[pl.ds(0, qr)], bar_q)
+
+      @pl.when(first)
+      def _load_block_and_sink():
+        plgpu.copy_gmem_to_smem(kvn_ref.at[0, b, h], kb_smem, bar_first)
+        plgpu.copy_gmem_to_smem(kvn_ref.at[1, b, h], vb_smem, bar_first)
+        if ns:
+          plgpu.copy_gmem_to_smem(kc_ref.at[b, h, pl.ds(0, ns)], sk_smem, bar_first)
+          plgpu.copy_gmem_to_smem(vc_ref.at[b, h, pl.ds(0, ns)], sv_smem, bar_first)
+        plgpu.copy_gmem_to_smem(kvn_ref.at[:, b, h, pl.ds(0, 8)], kv_rows, bar_rows)
+
+      for i in range(mine):  # rows past S arrive as zeros (TMA); rows outside the window are masked
+        rows = pl.ds(w0a + (p + i * splits) * WINDOW_TILE, WINDOW_TILE)
+        plgpu.copy_gmem_to_smem(kc_ref.at[b, h, rows], kw_smem[i], bar_tiles.at[i])
+        plgpu.copy_gmem_to_smem(vc_ref.at[b, h, rows], vw_smem[i], bar_tiles.at[i])
+
+      def keep_rows(v_smem, live):
+        """Zeroes the V rows r with live(r) false (stale rows may hold NaN)."""
+        v = v_smem[...]
+        v_smem[...] = jnp.where(live(lax.broadcasted_iota(jnp.int32, v.shape, 0)), v, 0)
+        plgpu.commit_smem()
+
+      def update(carry, s, p_smem, v_smem):
+        o, m, l = carry
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # a row that has seen no key yet
+        alpha = jnp.exp2(m - m_safe)
+        pr = jnp.exp2(s - lax.broadcast_in_dim(m_safe, s.shape, [0]))
+        l = l * alpha + jnp.sum(pr, axis=1)
+        p_smem[...] = pr.astype(dtype)
+        plgpu.commit_smem()
+
+        def pv(acc):
+          plgpu.wgmma(acc, p_smem, v_smem)
+          plgpu.wgmma_wait(0)
+
+        o = pl.run_state(pv)(plgpu.ACC.init(o * lax.broadcast_in_dim(alpha, o.shape, [0])))
+        return o, m_new, l
+
+      def logits(k_smem, cols):
+        def qk(acc):
+          plgpu.wgmma(acc, q_smem, plgpu.transpose_ref(k_smem, (1, 0)))
+          plgpu.wgmma_wait(0)
+          return acc[...]
+        return pl.run_scoped(qk, plgpu.ACC((ROWS, cols), f32)) * scale
+
+      plgpu.barrier_wait(bar_q)
+
+      @pl.when(first)
+      def _():
+        plgpu.barrier_wait(bar_first)
+        if ns:
+          keep_rows(sv_smem, lambda r: r < jnp.minimum(length, n_sink))
+
+      @pl.when(jnp.logical_not(first))
+      def _():  # the other programs' block and sink logits are masked; p v meets zeros
+        zeros = jnp.zeros((BLOCK_ROWS, d), dtype)
+        vb_smem[...] = zeros
+        sv_smem[...] = zeros
+        plgpu.commit_smem()
+
+      # the block (program 0): query row r (token r % t) sees block rows
+      # j <= r % t, so its real rows have a finite running max from here on
+      s = logits(kb_smem, BLOCK_ROWS)
+      row = lax.broadcasted_iota(jnp.int32, s.shape, 0)
+      col = lax.broadcasted_iota(jnp.int32, s.shape, 1)
+      s = jnp.where((col <= row % t) & first, s, -jnp.inf)
+      o = plgpu.layout_cast(jnp.zeros((ROWS, d), f32), plgpu.Layout.WGMMA)
+      m = plgpu.layout_cast(jnp.full((ROWS,), -jnp.inf, f32), plgpu.Layout.WGMMA.reduce(1))
+      l = plgpu.layout_cast(jnp.zeros((ROWS,), f32), plgpu.Layout.WGMMA.reduce(1))
+      carry = update((o, m, l), s, pb_smem, vb_smem)
+      if ns:
+        s = logits(sk_smem, ns)
+        col = lax.broadcasted_iota(jnp.int32, s.shape, 1)
+        s = jnp.where((col < jnp.minimum(length, n_sink)) & first, s, -jnp.inf)
+        carry = update(carry, s, pb_smem, sv_smem)
+      for i in range(mine):
+        tile = p + i * splits
+        start = w0a + tile * WINDOW_TILE
+        plgpu.barrier_wait(bar_tiles.at[i])
+
+        def live(r, start=start, tile=tile):
+          return (start + r >= w0) & (start + r < length) & (tile < n_tiles)
+
+        keep_rows(vw_smem[i], live)
+        s = logits(kw_smem[i], WINDOW_TILE)
+        s = jnp.where(live(lax.broadcasted_iota(jnp.int32, s.shape, 1)), s, -jnp.inf)
+        carry = update(carry, s, pw_smem, vw_smem[i])
+      o, m, l = carry
+
+      def store(o):
+        """(program 0) the output rows, then the new k/v rows into the caches."""
+        o_rows[...] = o.astype(dtype)
+        plgpu.commit_smem()
+        for gi in range(g):
+          plgpu.copy_smem_to_gmem(o_rows.at[pl.ds(gi * t, t)],
+                                  out_ref.at[pl.ds(b * t, t), pl.ds((h * g + gi) * d, d)])
+        plgpu.barrier_wait(bar_rows)
+        plgpu.copy_smem_to_gmem(kv_rows.at[0, pl.ds(0, t)], kc_ref.at[b, h, pl.ds(length, t)])
+        plgpu.copy_smem_to_gmem(kv_rows.at[1, pl.ds(0, t)], vc_ref.at[b, h, pl.ds(length, t)])
+        plgpu.wait_smem_to_gmem(0)
+
+      if splits == 1:
+        store(o / lax.broadcast_in_dim(l, o.shape, [0]))
+        return
+      o_part, ml_part = partials
+      sem = pl.get_global(plgpu.SemaphoreType.REGULAR((nb * hkv,))).at[b * hkv + h]
+
+      @pl.when(jnp.logical_not(first))
+      def _publish():  # o, and m, l repeated along the 64 columns (WGMMA-shaped loads)
+        part_smem[0] = o
+        part_smem[1] = lax.broadcast_in_dim(m, (ROWS, d), (0,))
+        part_smem[2] = lax.broadcast_in_dim(l, (ROWS, d), (0,))
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(part_smem.at[0], o_part.at[p - 1, b, h])
+        plgpu.copy_smem_to_gmem(part_smem.at[1], ml_part.at[0, p - 1, b, h])
+        plgpu.copy_smem_to_gmem(part_smem.at[2], ml_part.at[1, p - 1, b, h])
+        plgpu.wait_smem_to_gmem(0)
+        plgpu.semaphore_signal(sem, 1, memory_scope="gpu")
+
+      @pl.when(first)
+      def _merge_and_store():
+        plgpu.semaphore_wait(sem, splits - 1, memory_scope="gpu")
+        o_tot = o
+        m_tot = lax.broadcast_in_dim(m, (ROWS, d), (0,))
+        l_tot = lax.broadcast_in_dim(l, (ROWS, d), (0,))
+        for j in range(1, splits):
+          plgpu.copy_gmem_to_smem(o_part.at[j - 1, b, h], part_smem.at[0], bar_parts)
+          plgpu.copy_gmem_to_smem(ml_part.at[0, j - 1, b, h], part_smem.at[1], bar_parts)
+          plgpu.copy_gmem_to_smem(ml_part.at[1, j - 1, b, h], part_smem.at[2], bar_parts)
+          plgpu.barrier_wait(bar_parts)
+          o_j = plgpu.load(part_smem.at[0], (), layout=plgpu.Layout.WGMMA)
+          m_j = plgpu.load(part_smem.at[1], (), layout=plgpu.Layout.WGMMA)
+          l_j = plgpu.load(part_smem.at[2], (), layout=plgpu.Layout.WGMMA)
+          m_new = jnp.maximum(m_tot, m_j)  # finite: program 0 saw the block
+          a, c = jnp.exp2(m_tot - m_new), jnp.exp2(m_j - m_new)
+          o_tot, l_tot, m_tot = o_tot * a + o_j * c, l_tot * a + l_j * c, m_new
+        store(o_tot / l_tot)
+
+    rows_d = dict(transforms=_tiled(d))  # tiles whose rows hold d elements
+    pl.run_scoped(
+        scope,
+        plgpu.SMEM((ROWS, d), dtype, **rows_d),  # q
+        plgpu.SMEM((BLOCK_ROWS, d), dtype, **rows_d),  # block k
+        plgpu.SMEM((BLOCK_ROWS, d), dtype, **rows_d),  # block v
+        plgpu.SMEM((BLOCK_ROWS, d), dtype, **rows_d),  # sink k
+        plgpu.SMEM((BLOCK_ROWS, d), dtype, **rows_d),  # sink v
+        [plgpu.SMEM((WINDOW_TILE, d), dtype, **rows_d) for _ in range(mine)],
+        [plgpu.SMEM((WINDOW_TILE, d), dtype, **rows_d) for _ in range(mine)],
+        plgpu.SMEM((ROWS, BLOCK_ROWS), dtype, transforms=_tiled(BLOCK_ROWS)),  # p: block, sink
+        plgpu.SMEM((ROWS, WINDOW_TILE), dtype, transforms=_tiled(WINDOW_TILE)),  # p: a window tile
+        plgpu.SMEM((ROWS, d), dtype),  # output rows, untiled: T-row stores
+        plgpu.SMEM((2, 8, d), dtype),  # the new k/v rows, untiled: T-row cache writes
+        # a partial (o, m, l); unused at one split
+        plgpu.SMEM((3, ROWS, d) if splits > 1 else (1, 8, d), f32, transforms=_tiled(d, 4)),
+        plgpu.Barrier(num_arrivals=1),  # q
+        plgpu.Barrier(num_arrivals=2 + 2 * bool(ns)),  # block, sink (program 0)
+        plgpu.Barrier(num_arrivals=2, num_barriers=mine),  # window tiles
+        plgpu.Barrier(num_arrivals=1),  # the new k/v rows
+        plgpu.Barrier(num_arrivals=3))  # a partial, merged
+
+  gmem = pl.BlockSpec(memory_space=plgpu.GMEM)
+  outs = [jax.ShapeDtypeStruct((nb * t, g * hkv * d), dtype),
+          jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
+          jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype)]
+  if splits > 1:  # the split programs' partials, for program 0's merge
+    outs += [jax.ShapeDtypeStruct((splits - 1, nb, hkv, ROWS, d), f32),
+             jax.ShapeDtypeStruct((2, splits - 1, nb, hkv, ROWS, d), f32)]
+  out, k_cache, v_cache, *_ = pl.pallas_call(
+      body, grid=(nb, hkv, splits), in_specs=[gmem] * 5, out_specs=[gmem] * len(outs),
+      out_shape=outs, input_output_aliases={3: 1, 4: 2},
+      compiler_params=plgpu.CompilerParams(
+          lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+      name="window_attention_rows",
+  )(lengths.astype(jnp.int32), q, kv_new, k_cache, v_cache)
+  return out, k_cache, v_cache
