@@ -5,6 +5,8 @@ outside the window zeroed, the guarded online softmax, the merge of split
 programs) against the reference, its lowering for CUDA, its argument
 checks, and (on a Hopper GPU) the compiled kernel against the reference.
 jax 0.10.2's interpret mode cannot run it (no transposed WGMMA operand)."""
+import re
+
 import numpy as np
 import pytest
 
@@ -189,3 +191,33 @@ def test_kernel_compiled_equals_reference(T, splits):
                                   splits=splits)
   out, kc, vc = window_attention_reference(*packed(args), n_sink=16, n_window=496)
   assert_compiled_close(got, (rows_of(out), kc, vc))
+
+
+def test_seam_pass_with_the_mosaic_attention_lowers_to_two_kernels_a_layer():
+  """A `draft_mlp="seam_mosaic"` draft's streaming pass, lowered for CUDA:
+  per layer the attention kernel writes the rows the seam kernel reads (no
+  Triton call, no merge), two Mosaic GPU calls a layer."""
+  from flax import nnx
+  from dustin_jax.cache import KVCache
+  from dustin_jax.config import ModelConfig, RopeConfig
+  from dustin_jax.models.decoder import Decoder
+  cfg = ModelConfig(model_type="qwen2", vocab_size=101, hidden_size=128, intermediate_size=384,
+                    num_layers=2, num_heads=2, num_kv_heads=2, head_dim=64,
+                    rope=RopeConfig(theta=1e6), qkv_bias=True, dtype="bfloat16")
+  model = Decoder(cfg, rngs=nnx.Rngs(0))
+  model.fold_norm_weights()
+  model.fuse_seams(attention="mosaic")
+  graphdef, state = nnx.split(model)
+  cache = KVCache.init(cfg, batch=4, max_len=256)
+
+  def forward(state, tokens, cache):
+    hidden, cache, _ = nnx.merge(graphdef, state)(tokens, cache, window=(4, 16), impl="gpu")
+    return hidden, cache
+
+  tokens = jax.ShapeDtypeStruct((4, 2), jnp.int32)
+  text = jax.jit(forward).trace(state, tokens, cache).lower(
+      lowering_platforms=("cuda",)).as_text()
+  calls = re.findall(r"call @([\w.]+)\(", text)  # the jitted kernels' call sites
+  assert calls.count("window_attention_rows_gpu") == cfg.num_layers
+  assert len([c for c in calls if c.startswith("layer_seam_gpu")]) == cfg.num_layers
+  assert "triton" not in text.lower()
