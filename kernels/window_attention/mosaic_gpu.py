@@ -3,9 +3,9 @@ Hopper, writing the output as token rows [B * T, Hq * D]: the layout of the
 o projection that follows (`kernels.layer_seam` reads it as is).
 
 `splits` programs per (sequence b, KV head h), one warpgroup each. Every
-load is issued at the start by TMA (program 0: the queries, the block's
-k/v and 64 sink rows; each program: the queries and its 128-row window
-tiles p, p + splits, ...), then an online softmax over them as they land,
+load is issued at the start by TMA (program 0: the block's k/v and 64 sink
+rows; each program: the queries and its 128-row window tiles p,
+p + splits, ...), then an online softmax over them as they land,
 with WGMMA for q k^T and p v (p through shared memory). At one split a
 program walks the whole window from shared memory (~210 KB) and nothing is
 merged; with more, the other programs store their partial (o, m, l) and
@@ -18,7 +18,7 @@ Layouts met on the way (jax's Mosaic GPU lowering):
     the compiler can prove a multiple of 8: the window tiles start at
     (w0 // 8) * 8 and mask the rows before w0;
   * WGMMA logits of 16 columns fail layout inference: the block and sink
-    tiles are 64 rows (the block's k/v come zero-padded, `pack_window_inputs`);
+    tiles are 64 rows (the block's k/v rows come zero-padded, `pack_window_inputs`);
   * T-row stores at rows L or b * T go through untiled shared memory;
   * loaded V rows outside the window are zeroed before p v (a masked p is 0,
     but 0 * NaN of a stale row is not).
@@ -51,11 +51,12 @@ def _tiled(cols: int, itemsize: int = 2):
 
 
 def pack_window_inputs(qkv, cos, sin):
-  """The kernel's inputs from the packed block qkv [B, T, Hkv, G + 2, D]
-  (before RoPE) and cos, sin [B, T, D // 2]: q [B, Hkv, QR, D] roped, row
-  g * T + t (QR = G * T rounded up to 8), and kv_new [2, B, Hkv, 64, D]
-  (roped k rows, v rows; rows >= T zero). RoPE as `common.rope`: f32, cast
-  back to qkv's dtype. One XLA fusion in a jitted caller."""
+  """The kernel's one input array from the packed block qkv [B, T, Hkv,
+  G + 2, D] (before RoPE) and cos, sin [B, T, D // 2]: blocks [B, Hkv,
+  QR + 128, D], per (b, h) the roped queries as rows g * T + t (QR = G * T
+  rounded up to 8), then 64 rows of the roped new k rows, then 64 of the
+  new v rows (rows >= T zero). RoPE as `common.rope`: f32, cast back to
+  qkv's dtype. One output, so one XLA fusion in a jitted caller."""
   b, t, hkv, g2, d = qkv.shape
   g = g2 - 2
   c = jnp.concatenate([cos, cos], -1)[:, :, None, None].astype(jnp.float32)
@@ -65,8 +66,9 @@ def pack_window_inputs(qkv, cos, sin):
   roped = (x * c + rot * s).astype(qkv.dtype)
   q = roped[..., :g, :].transpose(0, 2, 3, 1, 4).reshape(b, hkv, g * t, d)
   q = jnp.pad(q, ((0, 0), (0, 0), (0, common.round_up(g * t, 8) - g * t), (0, 0)))
-  kv = jnp.stack([roped[..., g, :], qkv[..., g + 1, :]]).transpose(0, 1, 3, 2, 4)
-  return q, jnp.pad(kv, ((0, 0), (0, 0), (0, 0), (0, BLOCK_ROWS - t), (0, 0)))
+  new_rows = lambda x: jnp.pad(x.transpose(0, 2, 1, 3),  # noqa: E731
+                               ((0, 0), (0, 0), (0, BLOCK_ROWS - t), (0, 0)))
+  return jnp.concatenate([q, new_rows(roped[..., g, :]), new_rows(qkv[..., g + 1, :])], axis=2)
 
 
 def window_tiles(n_window: int) -> int:
@@ -117,19 +119,20 @@ def check_args(qkv, k_cache, n_sink: int, n_window: int, splits: int, sms: int |
 
 
 @functools.partial(jax.jit, static_argnames=("g", "t", "n_sink", "n_window", "splits"))
-def window_attention_rows_gpu(q, kv_new, k_cache, v_cache, lengths, *, g: int, t: int,
+def window_attention_rows_gpu(blocks, k_cache, v_cache, lengths, *, g: int, t: int,
                               n_sink: int, n_window: int, splits: int):
-  """q, kv_new from `pack_window_inputs`; caches [B, Hkv, S, D]. Returns
+  """blocks from `pack_window_inputs`; caches [B, Hkv, S, D]. Returns
   (out [B * T, Hq * D], k_cache, v_cache) with rows L .. L + T - 1 written."""
-  nb, hkv, qr, d = q.shape
+  nb, hkv, rows_in, d = blocks.shape
+  qr = rows_in - 2 * BLOCK_ROWS  # the query rows; then the new k rows, the new v rows
   n_tiles = window_tiles(n_window)
   mine = common.cdiv(n_tiles, splits)  # window tiles a program walks
   ns = BLOCK_ROWS if n_sink else 0
   scale = common.LOG2E / d ** 0.5
-  dtype = q.dtype
+  dtype = blocks.dtype
   f32 = jnp.float32
 
-  def body(len_ref, q_ref, kvn_ref, kc_in, vc_in, out_ref, kc_ref, vc_ref, *partials):
+  def body(len_ref, in_ref, kc_in, vc_in, out_ref, kc_ref, vc_ref, *partials):
     del kc_in, vc_in  # aliased to kc_ref, vc_ref
     b, h, p = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     length = len_ref[b]
@@ -139,16 +142,19 @@ def window_attention_rows_gpu(q, kv_new, k_cache, v_cache, lengths, *, g: int, t
 
     def scope(q_smem, kb_smem, vb_smem, sk_smem, sv_smem, kw_smem, vw_smem, pb_smem, pw_smem,
               o_rows, kv_rows, part_smem, bar_q, bar_first, bar_tiles, bar_rows, bar_parts):
-      plgpu.copy_gmem_to_smem(q_ref.at[b, h], q_smem.at[pl.ds(0, qr)], bar_q)
+      plgpu.copy_gmem_to_smem(in_ref.at[b, h, pl.ds(0, qr)], q_smem.at[pl.ds(0, qr)], bar_q)
 
       @pl.when(first)
       def _load_block_and_sink():
-        plgpu.copy_gmem_to_smem(kvn_ref.at[0, b, h], kb_smem, bar_first)
-        plgpu.copy_gmem_to_smem(kvn_ref.at[1, b, h], vb_smem, bar_first)
+        plgpu.copy_gmem_to_smem(in_ref.at[b, h, pl.ds(qr, BLOCK_ROWS)], kb_smem, bar_first)
+        plgpu.copy_gmem_to_smem(in_ref.at[b, h, pl.ds(qr + BLOCK_ROWS, BLOCK_ROWS)], vb_smem,
+                                bar_first)
         if ns:
           plgpu.copy_gmem_to_smem(kc_ref.at[b, h, pl.ds(0, ns)], sk_smem, bar_first)
           plgpu.copy_gmem_to_smem(vc_ref.at[b, h, pl.ds(0, ns)], sv_smem, bar_first)
-        plgpu.copy_gmem_to_smem(kvn_ref.at[:, b, h, pl.ds(0, 8)], kv_rows, bar_rows)
+        for j in range(2):
+          plgpu.copy_gmem_to_smem(in_ref.at[b, h, pl.ds(qr + j * BLOCK_ROWS, 8)], kv_rows.at[j],
+                                  bar_rows)
 
       for i in range(mine):  # rows past S arrive as zeros (TMA); rows outside the window are masked
         rows = pl.ds(w0a + (p + i * splits) * WINDOW_TILE, WINDOW_TILE)
@@ -297,7 +303,7 @@ def window_attention_rows_gpu(q, kv_new, k_cache, v_cache, lengths, *, g: int, t
         plgpu.Barrier(num_arrivals=1),  # q
         plgpu.Barrier(num_arrivals=2 + 2 * bool(ns)),  # block, sink (program 0)
         plgpu.Barrier(num_arrivals=2, num_barriers=mine),  # window tiles
-        plgpu.Barrier(num_arrivals=1),  # the new k/v rows
+        plgpu.Barrier(num_arrivals=2),  # the new k/v rows
         plgpu.Barrier(num_arrivals=3))  # a partial, merged
 
   gmem = pl.BlockSpec(memory_space=plgpu.GMEM)
@@ -308,10 +314,10 @@ def window_attention_rows_gpu(q, kv_new, k_cache, v_cache, lengths, *, g: int, t
     outs += [jax.ShapeDtypeStruct((splits - 1, nb, hkv, ROWS, d), f32),
              jax.ShapeDtypeStruct((2, splits - 1, nb, hkv, ROWS, d), f32)]
   out, k_cache, v_cache, *_ = pl.pallas_call(
-      body, grid=(nb, hkv, splits), in_specs=[gmem] * 5, out_specs=[gmem] * len(outs),
-      out_shape=outs, input_output_aliases={3: 1, 4: 2},
+      body, grid=(nb, hkv, splits), in_specs=[gmem] * 4, out_specs=[gmem] * len(outs),
+      out_shape=outs, input_output_aliases={2: 1, 3: 2},
       compiler_params=plgpu.CompilerParams(
           lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
       name="window_attention_rows",
-  )(lengths.astype(jnp.int32), q, kv_new, k_cache, v_cache)
+  )(lengths.astype(jnp.int32), blocks, k_cache, v_cache)
   return out, k_cache, v_cache

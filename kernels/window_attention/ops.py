@@ -69,8 +69,8 @@ def window_attention_rows(qkv, k_cache, v_cache, lengths, cos, sin, *, n_sink, n
     check_shapes(qkv, k_cache, v_cache, lengths, cos, sin, n_sink, n_window)
     splits = splits or mosaic_gpu.default_splits(b, hkv, int(n_window))
     mosaic_gpu.check_args(qkv, k_cache, int(n_sink), int(n_window), splits)
-    q, kv_new = mosaic_gpu.pack_window_inputs(qkv, cos, sin)
-    return mosaic_gpu.window_attention_rows_gpu(q, kv_new, k_cache, v_cache, lengths,
+    blocks = mosaic_gpu.pack_window_inputs(qkv, cos, sin)
+    return mosaic_gpu.window_attention_rows_gpu(blocks, k_cache, v_cache, lengths,
                                                 g=g2 - 2, t=t, n_sink=int(n_sink),
                                                 n_window=int(n_window), splits=splits)
   out, k_cache, v_cache = window_attention(qkv, k_cache, v_cache, lengths, cos, sin,

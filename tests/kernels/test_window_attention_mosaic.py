@@ -25,13 +25,16 @@ def rows_of(out):
   return out.reshape(b * t, hq * d)
 
 
-def tiled_emulation(q, kv_new, k_cache, v_cache, lengths, *, g, t, n_sink, n_window, splits):
+def tiled_emulation(blocks, k_cache, v_cache, lengths, *, g, t, n_sink, n_window, splits):
   """The kernel's arithmetic in jnp, tile by tile and program by program
   (f32 logits, p rounded to the inputs' dtype before p v)."""
-  nb, hkv, qr, d = q.shape
+  rows_b = mosaic_gpu.BLOCK_ROWS
+  nb, hkv, qr, d = blocks.shape
+  qr -= 2 * rows_b
+  q, k_new, v_new = blocks[:, :, :qr], blocks[:, :, qr:qr + rows_b], blocks[:, :, qr + rows_b:]
   tiles = mosaic_gpu.window_tiles(n_window)
   mine = common.cdiv(tiles, splits)
-  s_len, rows_b = k_cache.shape[2], mosaic_gpu.BLOCK_ROWS
+  s_len = k_cache.shape[2]
   scale = common.LOG2E / d ** 0.5
   f32 = jnp.float32
 
@@ -63,9 +66,9 @@ def tiled_emulation(q, kv_new, k_cache, v_cache, lengths, *, g, t, n_sink, n_win
         carry = (jnp.zeros((qr, d), f32), jnp.full((qr,), -jnp.inf, f32), jnp.zeros((qr,), f32))
         if p == 0:
           j = jnp.arange(rows_b)
-          s = jnp.where(j[None] <= (r % t)[:, None], qb @ kv_new[0, b, h].astype(f32).T * scale,
+          s = jnp.where(j[None] <= (r % t)[:, None], qb @ k_new[b, h].astype(f32).T * scale,
                         -jnp.inf)
-          carry = update(carry, s, kv_new[1, b, h].astype(f32), j < t)
+          carry = update(carry, s, v_new[b, h].astype(f32), j < t)
           if n_sink:
             live = j < jnp.minimum(length, n_sink)
             s = jnp.where(live[None], qb @ rows(k_cache, b, h, 0, rows_b).T * scale, -jnp.inf)
@@ -93,19 +96,19 @@ def test_pack_window_inputs_orders_queries_per_kv_head_and_pads_the_block():
   T, Hq, Hkv, D = 2, 6, 2, 64
   args = make_case(0, 2, T, Hq, Hkv, 32, D, [3, 7], jnp.bfloat16)
   q, k_new, v_new, _, _, _, cos, sin = args
-  qp, kv = mosaic_gpu.pack_window_inputs(packed(args)[0], cos, sin)
-  g = Hq // Hkv
-  assert qp.shape == (2, Hkv, 8, D) and kv.shape == (2, 2, Hkv, mosaic_gpu.BLOCK_ROWS, D)
+  blocks = mosaic_gpu.pack_window_inputs(packed(args)[0], cos, sin)
+  g, rows_b = Hq // Hkv, mosaic_gpu.BLOCK_ROWS
+  assert blocks.shape == (2, Hkv, 8 + 2 * rows_b, D)  # q rows (6 -> 8), k rows, v rows
   q_roped = common.rope(q, cos, sin)  # [B, T, Hq, D]
   k_roped = common.rope(k_new, cos, sin)
   for h in range(Hkv):
     for gi in range(g):
       for t in range(T):
-        np.testing.assert_array_equal(qp[:, h, gi * T + t], q_roped[:, t, h * g + gi])
-    np.testing.assert_array_equal(kv[0, :, h, :T], k_roped[:, :, h])
-    np.testing.assert_array_equal(kv[1, :, h, :T], v_new[:, :, h])
-  assert not np.any(np.asarray(qp[:, :, g * T:], np.float32))  # padding rows
-  assert not np.any(np.asarray(kv[:, :, :, T:], np.float32))
+        np.testing.assert_array_equal(blocks[:, h, gi * T + t], q_roped[:, t, h * g + gi])
+    np.testing.assert_array_equal(blocks[:, h, 8:8 + T], k_roped[:, :, h])
+    np.testing.assert_array_equal(blocks[:, h, 8 + rows_b:8 + rows_b + T], v_new[:, :, h])
+  zero_rows = np.r_[g * T:8, 8 + T:8 + rows_b, 8 + rows_b + T:8 + 2 * rows_b]
+  assert not np.any(np.asarray(blocks[:, :, zero_rows], np.float32))
 
 
 # contexts of S = 300 rows with 4 sink + 160 window rows (2 tiles): shorter
@@ -117,8 +120,8 @@ def test_the_kernels_tiling_arithmetic_equals_the_reference(T, splits):
   args = make_case(1, 4, T, 4, 2, 300, 64, [2, 100, 203, 297], jnp.bfloat16)
   want, _, _ = ops.window_attention_rows(*packed(args), n_sink=4, n_window=160,
                                          impl="reference")
-  q, kv_new = mosaic_gpu.pack_window_inputs(packed(args)[0], *args[6:])
-  got = tiled_emulation(q, kv_new, args[3], args[4], args[5], g=2, t=T, n_sink=4,
+  blocks = mosaic_gpu.pack_window_inputs(packed(args)[0], *args[6:])
+  got = tiled_emulation(blocks, args[3], args[4], args[5], g=2, t=T, n_sink=4,
                         n_window=160, splits=splits)
   assert got.shape == want.shape == (4 * T, 4 * 64)
   assert np.all(np.isfinite(np.asarray(got, np.float32)))

@@ -116,23 +116,21 @@ def main():
       return run
 
     def alone(splits):  # the kernel with its inputs packed once, outside
-      def run(kc, vc, qs, kvns):
+      def run(kc, vc, blocks):
         outs = []
         for i in range(LAYERS):
-          o, k, v = window_attention_rows_gpu(qs[i], kvns[i], kc[i], vc[i], lengths, g=G, t=t,
+          o, k, v = window_attention_rows_gpu(blocks[i], kc[i], vc[i], lengths, g=G, t=t,
                                               n_sink=SINK, n_window=WINDOW, splits=splits)
           kc, vc = kc.at[i].set(k), vc.at[i].set(v)
           outs.append(o[0, 0])
         return jnp.stack(outs), kc, vc
       return run
 
-    packed = [pack_window_inputs(qkv[i], cos, sin) for i in range(LAYERS)]
-    qs = jnp.stack([p[0] for p in packed])
-    kvns = jnp.stack([p[1] for p in packed])
+    blocks = jnp.stack([pack_window_inputs(qkv[i], cos, sin) for i in range(LAYERS)])
     variants = [("triton", chain("gpu"), (qkv,))]
     for splits in SPLITS:
       variants += [(f"mosaic_s{splits}", chain("mosaic", splits), (qkv,)),
-                   (f"mosaic_s{splits}_alone", alone(splits), (qs, kvns))]
+                   (f"mosaic_s{splits}_alone", alone(splits), (blocks,))]
     for name, fn, extra in variants:
       try:
         rec[f"{name}_us_per_layer"], kc, vc = chain_wall_us(fn, kc, vc, *extra)
