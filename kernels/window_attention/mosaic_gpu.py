@@ -40,7 +40,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from kernels import common
 
 ROWS = 64  # WGMMA's row operand: the G * T query rows, padded
-BLOCK_ROWS = 64  # the block's k/v rows and the sink rows (see the docstring)
+BLOCK_ROWS = 64  # the block's k/v tiles and the sink tiles (see the docstring)
+NEW_ROWS = 8  # the new k/v rows passed in, T of them real (T <= MAX_T)
 WINDOW_TILE = 128
 MAX_T = 8
 
@@ -53,9 +54,9 @@ def _tiled(cols: int, itemsize: int = 2):
 def pack_window_inputs(qkv, cos, sin):
   """The kernel's one input array from the packed block qkv [B, T, Hkv,
   G + 2, D] (before RoPE) and cos, sin [B, T, D // 2]: blocks [B, Hkv,
-  QR + 128, D], per (b, h) the roped queries as rows g * T + t (QR = G * T
-  rounded up to 8), then 64 rows of the roped new k rows, then 64 of the
-  new v rows (rows >= T zero). RoPE as `common.rope`: f32, cast back to
+  QR + 16, D], per (b, h) the roped queries as rows g * T + t (QR = G * T
+  rounded up to 8), then 8 rows of the roped new k rows, then 8 of the new
+  v rows (rows >= T zero). RoPE as `common.rope`: f32, cast back to
   qkv's dtype. One output, so one XLA fusion in a jitted caller."""
   b, t, hkv, g2, d = qkv.shape
   g = g2 - 2
@@ -67,7 +68,7 @@ def pack_window_inputs(qkv, cos, sin):
   q = roped[..., :g, :].transpose(0, 2, 3, 1, 4).reshape(b, hkv, g * t, d)
   q = jnp.pad(q, ((0, 0), (0, 0), (0, common.round_up(g * t, 8) - g * t), (0, 0)))
   new_rows = lambda x: jnp.pad(x.transpose(0, 2, 1, 3),  # noqa: E731
-                               ((0, 0), (0, 0), (0, BLOCK_ROWS - t), (0, 0)))
+                               ((0, 0), (0, 0), (0, NEW_ROWS - t), (0, 0)))
   return jnp.concatenate([q, new_rows(roped[..., g, :]), new_rows(qkv[..., g + 1, :])], axis=2)
 
 
@@ -124,10 +125,10 @@ def window_attention_rows_gpu(blocks, k_cache, v_cache, lengths, *, g: int, t: i
   """blocks from `pack_window_inputs`; caches [B, Hkv, S, D]. Returns
   (out [B * T, Hq * D], k_cache, v_cache) with rows L .. L + T - 1 written."""
   nb, hkv, rows_in, d = blocks.shape
-  qr = rows_in - 2 * BLOCK_ROWS  # the query rows; then the new k rows, the new v rows
+  qr = rows_in - 2 * NEW_ROWS  # the query rows; then the new k rows, the new v rows
   n_tiles = window_tiles(n_window)
   mine = common.cdiv(n_tiles, splits)  # window tiles a program walks
-  ns = BLOCK_ROWS if n_sink else 0
+  ns = common.round_up(n_sink, 8)  # sink rows loaded (into a 64-row tile)
   scale = common.LOG2E / d ** 0.5
   dtype = blocks.dtype
   f32 = jnp.float32
@@ -146,14 +147,18 @@ def window_attention_rows_gpu(blocks, k_cache, v_cache, lengths, *, g: int, t: i
 
       @pl.when(first)
       def _load_block_and_sink():
-        plgpu.copy_gmem_to_smem(in_ref.at[b, h, pl.ds(qr, BLOCK_ROWS)], kb_smem, bar_first)
-        plgpu.copy_gmem_to_smem(in_ref.at[b, h, pl.ds(qr + BLOCK_ROWS, BLOCK_ROWS)], vb_smem,
-                                bar_first)
+        # only the rows that can be live: the rest of each 64-row tile is
+        # stale shared memory, masked in the logits and zeroed in V below
+        for j, dst in enumerate((kb_smem, vb_smem)):
+          plgpu.copy_gmem_to_smem(in_ref.at[b, h, pl.ds(qr + j * NEW_ROWS, NEW_ROWS)],
+                                  dst.at[pl.ds(0, NEW_ROWS)], bar_first)
         if ns:
-          plgpu.copy_gmem_to_smem(kc_ref.at[b, h, pl.ds(0, ns)], sk_smem, bar_first)
-          plgpu.copy_gmem_to_smem(vc_ref.at[b, h, pl.ds(0, ns)], sv_smem, bar_first)
+          plgpu.copy_gmem_to_smem(kc_ref.at[b, h, pl.ds(0, ns)], sk_smem.at[pl.ds(0, ns)],
+                                  bar_first)
+          plgpu.copy_gmem_to_smem(vc_ref.at[b, h, pl.ds(0, ns)], sv_smem.at[pl.ds(0, ns)],
+                                  bar_first)
         for j in range(2):
-          plgpu.copy_gmem_to_smem(in_ref.at[b, h, pl.ds(qr + j * BLOCK_ROWS, 8)], kv_rows.at[j],
+          plgpu.copy_gmem_to_smem(in_ref.at[b, h, pl.ds(qr + j * NEW_ROWS, NEW_ROWS)], kv_rows.at[j],
                                   bar_rows)
 
       for i in range(mine):  # rows past S arrive as zeros (TMA); rows outside the window are masked
@@ -196,6 +201,7 @@ def window_attention_rows_gpu(blocks, k_cache, v_cache, lengths, *, g: int, t: i
       @pl.when(first)
       def _():
         plgpu.barrier_wait(bar_first)
+        keep_rows(vb_smem, lambda r: r < t)
         if ns:
           keep_rows(sv_smem, lambda r: r < jnp.minimum(length, n_sink))
 
@@ -217,7 +223,7 @@ def window_attention_rows_gpu(blocks, k_cache, v_cache, lengths, *, g: int, t: i
       l = plgpu.layout_cast(jnp.zeros((ROWS,), f32), plgpu.Layout.WGMMA.reduce(1))
       carry = update((o, m, l), s, pb_smem, vb_smem)
       if ns:
-        s = logits(sk_smem, ns)
+        s = logits(sk_smem, BLOCK_ROWS)
         col = lax.broadcasted_iota(jnp.int32, s.shape, 1)
         s = jnp.where((col < jnp.minimum(length, n_sink)) & first, s, -jnp.inf)
         carry = update(carry, s, pb_smem, sv_smem)
@@ -250,36 +256,40 @@ def window_attention_rows_gpu(blocks, k_cache, v_cache, lengths, *, g: int, t: i
       if splits == 1:
         store(o / lax.broadcast_in_dim(l, o.shape, [0]))
         return
-      o_part, ml_part = partials
+      partials_gmem, = partials
       sem = pl.get_global(plgpu.SemaphoreType.REGULAR((nb * hkv,))).at[b * hkv + h]
 
       @pl.when(jnp.logical_not(first))
-      def _publish():  # o, and m, l repeated along the 64 columns (WGMMA-shaped loads)
+      def _publish():  # the first qr rows: o, and m | l (each repeated over half the columns)
+        col = lax.broadcasted_iota(jnp.int32, (ROWS, d), 1)
         part_smem[0] = o
-        part_smem[1] = lax.broadcast_in_dim(m, (ROWS, d), (0,))
-        part_smem[2] = lax.broadcast_in_dim(l, (ROWS, d), (0,))
+        part_smem[1] = jnp.where(col < d // 2, lax.broadcast_in_dim(m, (ROWS, d), (0,)),
+                                 lax.broadcast_in_dim(l, (ROWS, d), (0,)))
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(part_smem.at[0], o_part.at[p - 1, b, h])
-        plgpu.copy_smem_to_gmem(part_smem.at[1], ml_part.at[0, p - 1, b, h])
-        plgpu.copy_smem_to_gmem(part_smem.at[2], ml_part.at[1, p - 1, b, h])
+        for j in range(2):
+          plgpu.copy_smem_to_gmem(part_smem.at[j, pl.ds(0, qr)], partials_gmem.at[j, p - 1, b, h])
         plgpu.wait_smem_to_gmem(0)
         plgpu.semaphore_signal(sem, 1, memory_scope="gpu")
 
       @pl.when(first)
       def _merge_and_store():
         plgpu.semaphore_wait(sem, splits - 1, memory_scope="gpu")
+        col = lax.broadcasted_iota(jnp.int32, (ROWS, d), 1)
         o_tot = o
         m_tot = lax.broadcast_in_dim(m, (ROWS, d), (0,))
         l_tot = lax.broadcast_in_dim(l, (ROWS, d), (0,))
         for j in range(1, splits):
-          plgpu.copy_gmem_to_smem(o_part.at[j - 1, b, h], part_smem.at[0], bar_parts)
-          plgpu.copy_gmem_to_smem(ml_part.at[0, j - 1, b, h], part_smem.at[1], bar_parts)
-          plgpu.copy_gmem_to_smem(ml_part.at[1, j - 1, b, h], part_smem.at[2], bar_parts)
+          for k in range(2):
+            plgpu.copy_gmem_to_smem(partials_gmem.at[k, j - 1, b, h],
+                                    part_smem.at[k, pl.ds(0, qr)], bar_parts)
           plgpu.barrier_wait(bar_parts)
           o_j = plgpu.load(part_smem.at[0], (), layout=plgpu.Layout.WGMMA)
-          m_j = plgpu.load(part_smem.at[1], (), layout=plgpu.Layout.WGMMA)
-          l_j = plgpu.load(part_smem.at[2], (), layout=plgpu.Layout.WGMMA)
-          m_new = jnp.maximum(m_tot, m_j)  # finite: program 0 saw the block
+          ml = plgpu.load(part_smem.at[1], (), layout=plgpu.Layout.WGMMA)
+          m_j = lax.broadcast_in_dim(jnp.max(jnp.where(col < d // 2, ml, -jnp.inf), axis=1),
+                                     (ROWS, d), (0,))
+          l_j = lax.broadcast_in_dim(jnp.max(jnp.where(col < d // 2, -jnp.inf, ml), axis=1),
+                                     (ROWS, d), (0,))
+          m_new = jnp.maximum(m_tot, m_j)  # finite in the real rows: program 0 saw the block
           a, c = jnp.exp2(m_tot - m_new), jnp.exp2(m_j - m_new)
           o_tot, l_tot, m_tot = o_tot * a + o_j * c, l_tot * a + l_j * c, m_new
         store(o_tot / l_tot)
@@ -298,21 +308,20 @@ def window_attention_rows_gpu(blocks, k_cache, v_cache, lengths, *, g: int, t: i
         plgpu.SMEM((ROWS, WINDOW_TILE), dtype, transforms=_tiled(WINDOW_TILE)),  # p: a window tile
         plgpu.SMEM((ROWS, d), dtype),  # output rows, untiled: T-row stores
         plgpu.SMEM((2, 8, d), dtype),  # the new k/v rows, untiled: T-row cache writes
-        # a partial (o, m, l); unused at one split
-        plgpu.SMEM((3, ROWS, d) if splits > 1 else (1, 8, d), f32, transforms=_tiled(d, 4)),
+        # a partial: o, m | l; unused at one split
+        plgpu.SMEM((2, ROWS, d) if splits > 1 else (1, 8, d), f32, transforms=_tiled(d, 4)),
         plgpu.Barrier(num_arrivals=1),  # q
         plgpu.Barrier(num_arrivals=2 + 2 * bool(ns)),  # block, sink (program 0)
         plgpu.Barrier(num_arrivals=2, num_barriers=mine),  # window tiles
         plgpu.Barrier(num_arrivals=2),  # the new k/v rows
-        plgpu.Barrier(num_arrivals=3))  # a partial, merged
+        plgpu.Barrier(num_arrivals=2))  # a partial, merged
 
   gmem = pl.BlockSpec(memory_space=plgpu.GMEM)
   outs = [jax.ShapeDtypeStruct((nb * t, g * hkv * d), dtype),
           jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
           jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype)]
-  if splits > 1:  # the split programs' partials, for program 0's merge
-    outs += [jax.ShapeDtypeStruct((splits - 1, nb, hkv, ROWS, d), f32),
-             jax.ShapeDtypeStruct((2, splits - 1, nb, hkv, ROWS, d), f32)]
+  if splits > 1:  # the split programs' partials (o; m | l), for program 0's merge
+    outs.append(jax.ShapeDtypeStruct((2, splits - 1, nb, hkv, qr, d), f32))
   out, k_cache, v_cache, *_ = pl.pallas_call(
       body, grid=(nb, hkv, splits), in_specs=[gmem] * 4, out_specs=[gmem] * len(outs),
       out_shape=outs, input_output_aliases={2: 1, 3: 2},

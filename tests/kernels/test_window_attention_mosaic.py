@@ -28,10 +28,14 @@ def rows_of(out):
 def tiled_emulation(blocks, k_cache, v_cache, lengths, *, g, t, n_sink, n_window, splits):
   """The kernel's arithmetic in jnp, tile by tile and program by program
   (f32 logits, p rounded to the inputs' dtype before p v)."""
-  rows_b = mosaic_gpu.BLOCK_ROWS
+  rows_b, new = mosaic_gpu.BLOCK_ROWS, mosaic_gpu.NEW_ROWS
   nb, hkv, qr, d = blocks.shape
-  qr -= 2 * rows_b
-  q, k_new, v_new = blocks[:, :, :qr], blocks[:, :, qr:qr + rows_b], blocks[:, :, qr + rows_b:]
+  qr -= 2 * new
+  # a 64-row tile holds the rows loaded, then stale shared memory (NaN here)
+  stale = lambda x: jnp.pad(x.astype(jnp.float32), ((0, 0), (0, 0), (0, rows_b - x.shape[2]),  # noqa: E731
+                                                    (0, 0)), constant_values=jnp.nan)
+  q, k_new, v_new = blocks[:, :, :qr], stale(blocks[:, :, qr:qr + new]), stale(blocks[:, :, qr + new:])
+  ns = common.round_up(n_sink, 8)
   tiles = mosaic_gpu.window_tiles(n_window)
   mine = common.cdiv(tiles, splits)
   s_len = k_cache.shape[2]
@@ -48,10 +52,11 @@ def tiled_emulation(blocks, k_cache, v_cache, lengths, *, g, t, n_sink, n_window
     return (o * alpha[:, None] + p.astype(q.dtype).astype(f32) @ v, m_new,
             l * alpha + p.sum(1))
 
-  def rows(cache, b, h, start, n):  # a TMA box: rows past S read as zeros
+  def rows(cache, b, h, start, n, loaded=None):  # a TMA box: rows past S read as zeros
     r = start + jnp.arange(n)
     got = jnp.take(cache[b, h], jnp.clip(r, 0, s_len - 1), axis=0).astype(f32)
-    return jnp.where((r < s_len)[:, None], got, 0.0)
+    got = jnp.where((r < s_len)[:, None], got, 0.0)
+    return got if loaded is None else jnp.where((r < start + loaded)[:, None], got, jnp.nan)
 
   out = jnp.zeros((nb * t, g * hkv * d), q.dtype)
   for b in range(nb):
@@ -71,8 +76,8 @@ def tiled_emulation(blocks, k_cache, v_cache, lengths, *, g, t, n_sink, n_window
           carry = update(carry, s, v_new[b, h].astype(f32), j < t)
           if n_sink:
             live = j < jnp.minimum(length, n_sink)
-            s = jnp.where(live[None], qb @ rows(k_cache, b, h, 0, rows_b).T * scale, -jnp.inf)
-            carry = update(carry, s, rows(v_cache, b, h, 0, rows_b), live)
+            s = jnp.where(live[None], qb @ rows(k_cache, b, h, 0, rows_b, ns).T * scale, -jnp.inf)
+            carry = update(carry, s, rows(v_cache, b, h, 0, rows_b, ns), live)
         for i in range(mine):
           tile = p + i * splits
           start = w0a + tile * mosaic_gpu.WINDOW_TILE
@@ -97,8 +102,8 @@ def test_pack_window_inputs_orders_queries_per_kv_head_and_pads_the_block():
   args = make_case(0, 2, T, Hq, Hkv, 32, D, [3, 7], jnp.bfloat16)
   q, k_new, v_new, _, _, _, cos, sin = args
   blocks = mosaic_gpu.pack_window_inputs(packed(args)[0], cos, sin)
-  g, rows_b = Hq // Hkv, mosaic_gpu.BLOCK_ROWS
-  assert blocks.shape == (2, Hkv, 8 + 2 * rows_b, D)  # q rows (6 -> 8), k rows, v rows
+  g, new = Hq // Hkv, mosaic_gpu.NEW_ROWS
+  assert blocks.shape == (2, Hkv, 8 + 2 * new, D)  # q rows (6 -> 8), k rows, v rows
   q_roped = common.rope(q, cos, sin)  # [B, T, Hq, D]
   k_roped = common.rope(k_new, cos, sin)
   for h in range(Hkv):
@@ -106,8 +111,8 @@ def test_pack_window_inputs_orders_queries_per_kv_head_and_pads_the_block():
       for t in range(T):
         np.testing.assert_array_equal(blocks[:, h, gi * T + t], q_roped[:, t, h * g + gi])
     np.testing.assert_array_equal(blocks[:, h, 8:8 + T], k_roped[:, :, h])
-    np.testing.assert_array_equal(blocks[:, h, 8 + rows_b:8 + rows_b + T], v_new[:, :, h])
-  zero_rows = np.r_[g * T:8, 8 + T:8 + rows_b, 8 + rows_b + T:8 + 2 * rows_b]
+    np.testing.assert_array_equal(blocks[:, h, 8 + new:8 + new + T], v_new[:, :, h])
+  zero_rows = np.r_[g * T:8, 8 + T:8 + new, 8 + new + T:8 + 2 * new]
   assert not np.any(np.asarray(blocks[:, :, zero_rows], np.float32))
 
 
