@@ -3,13 +3,13 @@ Hopper, writing the output as token rows [B * T, Hq * D]: the layout of the
 o projection that follows (`kernels.layer_seam` reads it as is).
 
 `splits` programs per (sequence b, KV head h), one warpgroup each. Every
-load is issued at the start by TMA (program 0: the block's k/v and 64 sink
-rows; each program: the queries and its 128-row window tiles p,
+load is issued at the start by TMA (program 0: the block's new k/v rows and
+the sink rows; each program: the queries and its 128-row window tiles p,
 p + splits, ...), then an online softmax over them as they land,
 with WGMMA for q k^T and p v (p through shared memory). At one split a
 program walks the whole window from shared memory (~210 KB) and nothing is
-merged; with more, the other programs store their partial (o, m, l) and
-signal a GMEM semaphore, and program 0 waits and merges them: no XLA
+merged; with more, the other programs store their partial (o, and m | l
+over the columns; the query rows only) and signal a GMEM semaphore, and program 0 waits and merges them: no XLA
 kernel after (the Triton kernel's partials need one). Program 0 stores the
 output rows and the T new k/v rows into the caches (aliased, in place).
 
@@ -18,10 +18,11 @@ Layouts met on the way (jax's Mosaic GPU lowering):
     the compiler can prove a multiple of 8: the window tiles start at
     (w0 // 8) * 8 and mask the rows before w0;
   * WGMMA logits of 16 columns fail layout inference: the block and sink
-    tiles are 64 rows (the block's k/v rows come zero-padded, `pack_window_inputs`);
+    tiles are 64 rows, of which the first 8 (the new rows) or n_sink rounded
+    to 8 are loaded, the rest stale and masked;
   * T-row stores at rows L or b * T go through untiled shared memory;
-  * loaded V rows outside the window are zeroed before p v (a masked p is 0,
-    but 0 * NaN of a stale row is not).
+  * V rows outside the window (or stale) are zeroed before p v (a masked p
+    is 0, but 0 * NaN of a stale row is not).
 jax 0.10.2's interpret mode has no transposed WGMMA operand and no
 `layout_cast`, so this kernel has no interpret path: its tests lower it for
 CUDA on the CPU, check its tiling arithmetic in jnp, and compare it with the
