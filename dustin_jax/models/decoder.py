@@ -387,7 +387,9 @@ class Decoder(nnx.Module):
     """`__call__` over a streaming draft's window with the work between two
     attentions as one kernel (`kernels.layer_seam`): layer 0's q/k/v is one
     GEMM; then per layer the q/k/v rows scaled by the residual's RMSNorm
-    scale plus the bias (one XLA fusion), the attention, then layer i's o,
+    scale plus the bias (one XLA fusion), the attention (as token rows:
+    `window_attention_rows`, on a GPU the Triton kernel or, after
+    `fuse_seams(attention="mosaic")`, the Mosaic one), then layer i's o,
     MLP and layer i + 1's q/k/v. The residual stream stays f32 ([Mp, D], the
     rows padded to a multiple of 8) until the final norm."""
     cfg = self.cfg
