@@ -43,6 +43,22 @@ from kernels.window_attention import mosaic_gpu as window_mosaic
 from kernels.window_attention.ops import window_attention, window_attention_rows
 
 
+SHORT_BLOCK = 16  # the Pallas attention kernels serve blocks of at most this many tokens
+
+
+def block_impl(impl: str, t: int) -> str:
+  """The attention impl for a block of t tokens: "auto" runs the reference
+  past SHORT_BLOCK (verify blocks and draft passes are short; prefill
+  chunks run XLA)."""
+  return "reference" if impl == "auto" and t > SHORT_BLOCK else impl
+
+
+def rope_halves(cos, sin):
+  """The first halves of the model's rope tables [..., D] (the halves
+  repeat): the [..., D // 2] tables the packed-q/k/v kernels take."""
+  return tuple(x[..., :x.shape[-1] // 2] for x in (cos, sin))
+
+
 def attention(q, k, v, k_cache, v_cache, lengths, impl, mesh):
   """Write the block's rows `k, v [B, T, Hkv, D]` into the caches at
   `lengths`, then attention of `q` over the full cache plus the block.
@@ -53,8 +69,7 @@ def attention(q, k, v, k_cache, v_cache, lengths, impl, mesh):
   def local(q, k, v, k_cache, v_cache, lengths):
     k_cache, v_cache = write_rows(k_cache, k, lengths), write_rows(v_cache, v, lengths)
     return decode_attention(q, k_cache, v_cache, lengths, impl=impl), k_cache, v_cache
-  if impl == "auto" and q.shape[1] > 16:
-    impl = "reference"  # the Pallas kernels serve short verify blocks; prefill chunks use XLA
+  impl = block_impl(impl, q.shape[1])
   args = (q, k, v, k_cache, v_cache, lengths)
   if mesh is None:
     return local(*args)
@@ -74,11 +89,10 @@ def packed_attention(qkv, k_cache, v_cache, lengths, cos, sin, impl, mesh, *, wi
   rows (`sparse_verify_packed`: a sparse verification), each plus the block.
   Returns (out [B, T, Hq, D], k_cache, v_cache), per device under a mesh as
   `attention`."""
-  if impl == "auto" and qkv.shape[1] > 16:
-    impl = "reference"  # as `attention`: the kernels serve short blocks
+  impl = block_impl(impl, qkv.shape[1])
 
   def local(qkv, k_cache, v_cache, lengths, cos, sin, *indices):
-    cos, sin = (x[..., :x.shape[-1] // 2] for x in (cos, sin))  # the halves repeat
+    cos, sin = rope_halves(cos, sin)
     if indices:
       return sparse_verify_packed(qkv, k_cache, v_cache, lengths, indices[0], cos, sin,
                                   impl=impl)
@@ -407,8 +421,8 @@ class Decoder(nnx.Module):
     ss = jnp.zeros((mp, SEAM_BLOCK), f32)
     stream = self.seam_stream[...]
     g = cfg.num_kv_heads
-    half = cfg.head_dim // 2  # the rope tables' halves repeat
-    attention_impl = "reference" if impl == "auto" and t > 16 else impl  # as `packed_attention`
+    cos_half, sin_half = rope_halves(cos, sin)
+    attention_impl = block_impl(impl, t)
     if (self.seam_attention == "mosaic" and resolve_impl(attention_impl) == "gpu"
         and window_mosaic.fits(b, t, g, cfg.num_heads // g, cfg.head_dim, dtype, *window)):
       attention_impl = "mosaic"
@@ -420,7 +434,7 @@ class Decoder(nnx.Module):
         scaled = scaled + attention.qkv_proj.bias[...].astype(f32)
       packed = scaled[:m].astype(dtype).reshape(b, t, g, cfg.num_heads // g + 2, cfg.head_dim)
       attn, k, v = window_attention_rows(packed, cache.k[i], cache.v[i], cache.lengths,
-                                         cos[..., :half], sin[..., :half], n_sink=window[0],
+                                         cos_half, sin_half, n_sink=window[0],
                                          n_window=window[1], impl=attention_impl)
       attn = jnp.pad(attn, ((0, mp - m), (0, 0)))
       r, xb, ss, qkv = layer_seam(r, attn, stream, xb, ss, qkv, i, dims=dims,

@@ -57,15 +57,13 @@ def pack_window_inputs(qkv, cos, sin):
   G + 2, D] (before RoPE) and cos, sin [B, T, D // 2]: blocks [B, Hkv,
   QR + 16, D], per (b, h) the roped queries as rows g * T + t (QR = G * T
   rounded up to 8), then 8 rows of the roped new k rows, then 8 of the new
-  v rows (rows >= T zero). RoPE as `common.rope`: f32, cast back to
-  qkv's dtype. One output, so one XLA fusion in a jitted caller."""
+  v rows (rows >= T zero). RoPE by `common.rope`. One output, so one XLA
+  fusion in a jitted caller."""
   b, t, hkv, g2, d = qkv.shape
   g = g2 - 2
-  c = jnp.concatenate([cos, cos], -1)[:, :, None, None].astype(jnp.float32)
-  s = jnp.concatenate([sin, sin], -1)[:, :, None, None].astype(jnp.float32)
-  x = qkv[..., :g + 1, :].astype(jnp.float32)
-  rot = jnp.concatenate([-x[..., d // 2:], x[..., :d // 2]], -1)
-  roped = (x * c + rot * s).astype(qkv.dtype)
+  # the queries and k_new of every KV head as [B, T, heads, D] for common.rope
+  roped = common.rope(qkv[..., :g + 1, :].reshape(b, t, hkv * (g + 1), d), cos, sin)
+  roped = roped.reshape(b, t, hkv, g + 1, d)
   q = roped[..., :g, :].transpose(0, 2, 3, 1, 4).reshape(b, hkv, g * t, d)
   q = jnp.pad(q, ((0, 0), (0, 0), (0, common.round_up(g * t, 8) - g * t), (0, 0)))
   new_rows = lambda x: jnp.pad(x.transpose(0, 2, 1, 3),  # noqa: E731
