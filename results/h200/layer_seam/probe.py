@@ -4,9 +4,9 @@ kernel per layer (`draft_mlp="seam"`; `"seam_mosaic"`: with the Mosaic GPU
 window attention) against the package's default draft (`"kernel_prefetch"`:
 six kernels between attentions), in one process. Not part of the package.
 
-Wall clock of 30 queued passes (jit, the cache donated and fed back so that
-its rows are written in place, block_until_ready, warm-up excluded, fastest
-of 3). Variants: the seam kernel's weight slots (MAX_STAGES).
+Wall clock of 30 queued passes (`scripts.benchmarking.queued_steps`: jit,
+the cache donated and fed back so that its rows are written in place,
+warm-up excluded, fastest of 3). Variants: the seam kernel's weight slots (MAX_STAGES).
 
 Usage (on the GPU): python results/h200/layer_seam/probe.py --out=$OUT
 """
@@ -17,7 +17,6 @@ import functools
 import json
 import os
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -27,23 +26,23 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from configs.shapes import PAIRS  # noqa: E402
 from dustin_jax.config import ModelConfig  # noqa: E402
 from kernels.layer_seam import gpu as seam_gpu  # noqa: E402
-from scripts.benchmarking import random_cache, random_model  # noqa: E402
+from scripts.benchmarking import queued_steps, random_cache, random_model  # noqa: E402
 
 
 def timed(fn, state, tokens, cache, repeats=30):
   """us per call of `fn(state, tokens, cache) -> (hidden, cache)`, the
-  cache donated and fed back (written in place, as in a decode): 30 queued
-  calls, fastest of 3, warm-up excluded. Returns (us, hidden, cache)."""
-  for _ in range(2):
+  cache donated and fed back (written in place, as in a decode):
+  `queued_steps` of 30 calls, fastest of 3, warm-up excluded. Returns (us,
+  hidden, cache)."""
+  def step(cache):
     hidden, cache = fn(state, tokens, cache)
-  jax.block_until_ready(hidden)
+    return cache, hidden
+  cache, _, _ = queued_steps(step, cache, 2)
   best = []
   for _ in range(3):
-    t0 = time.perf_counter()
-    for _ in range(repeats):
-      hidden, cache = fn(state, tokens, cache)
-    jax.block_until_ready((hidden, cache))
-    best.append((time.perf_counter() - t0) / repeats)
+    cache, wall, _ = queued_steps(step, cache, repeats)
+    best.append(wall / repeats)
+  hidden, cache = fn(state, tokens, cache)
   return min(best) * 1e6, hidden, cache
 
 

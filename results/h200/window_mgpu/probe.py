@@ -7,7 +7,7 @@ of their partials, then a reshape to rows), at the 0.5B draft's shapes
 Correctness: one layer against `window_attention_reference` (outputs and
 the written cache rows). Speed: a chain of 24 layers' calls in one jit
 (distinct caches, donated and fed back: updated in place), wall clock of
-30 queued chains, fastest of 3, warm-up
+30 chains queued by `scripts.benchmarking.queued_steps`, fastest of 3, warm-up
 excluded, us per layer: Triton on the packed q/k/v; Mosaic (one program
 per (b, h), and four merged in the kernel) with its inputs packed by XLA in
 the same jit (`pack_inputs`), and alone (inputs packed once, outside).
@@ -20,7 +20,6 @@ import argparse
 import json
 import os
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -30,6 +29,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from kernels.window_attention.mosaic_gpu import (pack_window_inputs,  # noqa: E402
                                                  window_attention_rows_gpu)
 from kernels.window_attention.ops import window_attention_rows  # noqa: E402
+from scripts.benchmarking import queued_steps  # noqa: E402
 from kernels.window_attention.reference import window_attention_reference  # noqa: E402
 
 B, HKV, G, D, SINK, WINDOW, LAYERS = 16, 2, 7, 64, 16, 496, 24
@@ -46,20 +46,19 @@ def tables(lengths, t):
 def chain_wall_us(fn, kc, vc, *inputs, repeats=30):
   """us per layer of a 24-layer chain `fn(kc, vc, *inputs) -> (outs, kc,
   vc)` whose caches are donated and fed back (updated in place, as in the
-  decoder): 30 queued calls, fastest of 3, warm-up excluded. Returns the
-  time and the caches."""
+  decoder): `queued_steps` of 30 calls, fastest of 3, warm-up excluded.
+  Returns the time and the caches."""
   fn = jax.jit(fn, donate_argnums=(0, 1))
-  for _ in range(2):
-    out, kc, vc = fn(kc, vc, *inputs)
-  jax.block_until_ready(out)
+
+  def step(caches):
+    out, kc, vc = fn(*caches, *inputs)
+    return (kc, vc), out
+  caches, _, _ = queued_steps(step, (kc, vc), 2)
   best = []
   for _ in range(3):
-    t0 = time.perf_counter()
-    for _ in range(repeats):
-      out, kc, vc = fn(kc, vc, *inputs)
-    jax.block_until_ready((out, kc, vc))
-    best.append((time.perf_counter() - t0) / repeats)
-  return min(best) * 1e6 / LAYERS, kc, vc
+    caches, wall, _ = queued_steps(step, caches, repeats)
+    best.append(wall / repeats)
+  return min(best) * 1e6 / LAYERS, *caches
 
 
 def main():
