@@ -132,9 +132,8 @@ def window_attention_rows_gpu(blocks, k_cache, v_cache, lengths, *, g: int, t: i
   dtype = blocks.dtype
   f32 = jnp.float32
 
-  def body(len_ref, in_ref, kc_in, vc_in, out_ref, kc_ref, vc_ref, *partials):
-    del kc_in, vc_in  # aliased to kc_ref, vc_ref
-    b, h, p = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  def body(len_ref, in_ref, kc_ref, vc_ref, out_ref, *partials):
+    b, h, p = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("s")
     length = len_ref[b]
     w0 = jnp.maximum(length - n_window, n_sink)
     w0a = (w0 // 8) * 8  # provably a multiple of 8 (see the module docstring)
@@ -315,17 +314,15 @@ def window_attention_rows_gpu(blocks, k_cache, v_cache, lengths, *, g: int, t: i
         plgpu.Barrier(num_arrivals=2),  # the new k/v rows
         plgpu.Barrier(num_arrivals=2))  # a partial, merged
 
-  gmem = pl.BlockSpec(memory_space=plgpu.GMEM)
-  outs = [jax.ShapeDtypeStruct((nb * t, g * hkv * d), dtype),
-          jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
-          jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype)]
+  outs = [jax.ShapeDtypeStruct((nb * t, g * hkv * d), dtype)]
   if splits > 1:  # the split programs' partials (o; m | l), for program 0's merge
     outs.append(jax.ShapeDtypeStruct((2, splits - 1, nb, hkv, qr, d), f32))
-  out, k_cache, v_cache, *_ = pl.pallas_call(
-      body, grid=(nb, hkv, splits), in_specs=[gmem] * 4, out_specs=[gmem] * len(outs),
-      out_shape=outs, input_output_aliases={2: 1, 3: 2},
-      compiler_params=plgpu.CompilerParams(
-          lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+  mesh = plgpu.Mesh(grid=(nb, hkv, splits), grid_names=("b", "h", "s"))
+  # the caches as refs: written in place (aliased in and out of the kernel)
+  kc_ref, vc_ref = jax.new_ref(k_cache), jax.new_ref(v_cache)
+  out, *_ = pl.kernel(
+      body, out_type=outs, mesh=mesh,
+      compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
       name="window_attention_rows",
-  )(lengths.astype(jnp.int32), blocks, k_cache, v_cache)
-  return out, k_cache, v_cache
+  )(lengths.astype(jnp.int32), blocks, kc_ref, vc_ref)
+  return out, kc_ref[...], vc_ref[...]

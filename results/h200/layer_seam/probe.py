@@ -100,6 +100,7 @@ def main():
         rec["max_abs_kernel_prefetch"] = float(np.max(np.abs(ref)))
       result["runs"].append(rec)
       print(json.dumps(rec), flush=True)
+  os.makedirs(args.out, exist_ok=True)
   with open(os.path.join(args.out, "probe.json"), "w") as f:
     json.dump(result, f, indent=1)
 

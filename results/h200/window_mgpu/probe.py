@@ -137,6 +137,7 @@ def main():
         rec[f"{name}_error"] = f"{type(e).__name__}: {str(e)[:800]}"
     print(json.dumps(rec), flush=True)
     result["runs"].append(rec)
+  os.makedirs(args.out, exist_ok=True)
   with open(os.path.join(args.out, "probe.json"), "w") as f:
     json.dump(result, f, indent=1)
 
