@@ -203,6 +203,7 @@ def bench_model(name, contexts, mesh, deadline, records, save):
       # the phase timing resets them), + 4 spare
       timed = 2 + 2 * FLAGS.repeats + steady_step_count(FLAGS.repeats)
       max_len = max_ctx + (timed + 4) * (gamma + 1) + 8
+      max_len = -(-max_len // 128) * 128  # whole tiles of rows (TMA kernels want multiples of 8)
       plan = sharding.memory_plan(tcfg, dcfg, batch=batch, max_len=max_len, data=1,
                                   model=FLAGS.mesh_model, gamma=gamma,
                                   capacity=sharding.device_capacity())

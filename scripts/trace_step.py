@@ -160,6 +160,7 @@ def main(argv):
   # lengths grow as steps commit: room for every step this script runs
   n_steps = 2 + steady_step_count(FLAGS.asrun_steps) + FLAGS.steps
   max_len = ctx + (n_steps + 2) * (FLAGS.gamma + 1) + 8
+  max_len = -(-max_len // 128) * 128  # whole tiles of rows (TMA kernels want multiples of 8)
   out = {"device": jax.devices()[0].device_kind, "devices": FLAGS.mesh_model,
          "model": FLAGS.model, "draft_mlp": draft_mlp, "batch": b, "context": ctx, "gamma": FLAGS.gamma,
          "jax_version": jax.__version__, "xla_flags": os.environ.get("XLA_FLAGS", "")}

@@ -424,7 +424,8 @@ class Decoder(nnx.Module):
     cos_half, sin_half = rope_halves(cos, sin)
     attention_impl = block_impl(impl, t)
     if (self.seam_attention == "mosaic" and resolve_impl(attention_impl) == "gpu"
-        and window_mosaic.fits(b, t, g, cfg.num_heads // g, cfg.head_dim, dtype, *window)):
+        and window_mosaic.fits(b, t, g, cfg.num_heads // g, cfg.head_dim, dtype, *window,
+                               cache_rows=cache.max_len)):
       attention_impl = "mosaic"
     taps = {}
     for i, layer in enumerate(self.layers):

@@ -86,11 +86,12 @@ def default_splits(batch: int, kv_heads: int, n_window: int, sms: int | None = N
 
 
 def fits(batch: int, t: int, kv_heads: int, group: int, head_dim: int, dtype, n_sink: int,
-         n_window: int) -> bool:
+         n_window: int, cache_rows: int) -> bool:
   """Whether the kernel takes these shapes (`check_args` says why not)."""
   try:
     check_args(jax.ShapeDtypeStruct((batch, t, kv_heads, group + 2, head_dim), dtype),
-               jax.ShapeDtypeStruct((1,), dtype), n_sink, n_window, 1)
+               jax.ShapeDtypeStruct((batch, kv_heads, cache_rows, head_dim), dtype),
+               n_sink, n_window, 1)
   except ValueError:
     return False
   return True
@@ -108,6 +109,9 @@ def check_args(qkv, k_cache, n_sink: int, n_window: int, splits: int, sms: int |
   if not 0 <= n_sink <= BLOCK_ROWS or n_window < 1:
     raise ValueError(f"n_sink must be in [0, {BLOCK_ROWS}] and n_window >= 1, got "
                      f"{n_sink}, {n_window}")
+  if k_cache.shape[2] % 8:  # TMA into 8-row tiles: the caches' row count a multiple of 8
+    raise ValueError(f"the Mosaic window kernel takes caches of a multiple of 8 rows, got "
+                     f"{k_cache.shape[2]}")
   if qkv.dtype not in (jnp.bfloat16, jnp.float16) or k_cache.dtype != qkv.dtype:
     raise ValueError(f"the Mosaic window kernel takes bf16 / f16 q/k/v and caches, got "
                      f"{qkv.dtype}, {k_cache.dtype}")

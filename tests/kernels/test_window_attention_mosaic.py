@@ -174,9 +174,10 @@ def test_mosaic_entry_checks_its_shapes():
     call(splits=3)
   with pytest.raises(ValueError, match="n_sink must be in"):
     call(n_sink=65)
-  assert mosaic_gpu.fits(16, 1, 2, 7, 64, jnp.bfloat16, 16, 496)
-  assert not mosaic_gpu.fits(16, 1, 2, 7, 128, jnp.bfloat16, 16, 496)
-  assert not mosaic_gpu.fits(16, 10, 2, 7, 64, jnp.bfloat16, 16, 496)
+  assert mosaic_gpu.fits(16, 1, 2, 7, 64, jnp.bfloat16, 16, 496, 32768)
+  assert not mosaic_gpu.fits(16, 1, 2, 7, 64, jnp.bfloat16, 16, 496, 33366)
+  assert not mosaic_gpu.fits(16, 1, 2, 7, 128, jnp.bfloat16, 16, 496, 32768)
+  assert not mosaic_gpu.fits(16, 10, 2, 7, 64, jnp.bfloat16, 16, 496, 32768)
 
 
 def test_default_splits_one_tile_a_program_while_the_programs_fit_the_sms():
@@ -185,7 +186,8 @@ def test_default_splits_one_tile_a_program_while_the_programs_fit_the_sms():
   assert mosaic_gpu.window_tiles(496) == 4 and mosaic_gpu.window_tiles(121) == 1
   with pytest.raises(ValueError, match="resident at once"):
     mosaic_gpu.check_args(jax.ShapeDtypeStruct((32, 1, 2, 9, 64), jnp.bfloat16),
-                          jax.ShapeDtypeStruct((1,), jnp.bfloat16), 16, 496, 4, sms=132)
+                          jax.ShapeDtypeStruct((32, 2, 1024, 64), jnp.bfloat16), 16, 496, 4,
+                          sms=132)
 
 
 # ---------------------------------------------------------------- Hopper GPU

@@ -133,6 +133,7 @@ def main():
     for name, fn, extra in variants:
       try:
         rec[f"{name}_us_per_layer"], kc, vc = chain_wall_us(fn, kc, vc, *extra)
+        rec[f"{name}_caches_finite"] = bool(jnp.isfinite(kc).all() & jnp.isfinite(vc).all())
       except Exception as e:
         rec[f"{name}_error"] = f"{type(e).__name__}: {str(e)[:800]}"
     print(json.dumps(rec), flush=True)
