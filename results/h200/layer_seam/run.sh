@@ -9,15 +9,13 @@ R=$OUT; mkdir -p "$R"
 python3 -m pip install -q --no-deps --no-index .whl/ml_collections-*.whl > /dev/null 2>&1
 nvidia-smi --query-gpu=name,memory.total,clocks.max.memory --format=csv > "$R/gpu.txt" 2>&1
 python3 -c "import jax; print(jax.__version__, jax.devices())" >> "$R/gpu.txt" 2>&1
-timeout 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_window_attention_mosaic.py \
+timeout 130 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_window_attention_mosaic.py \
   tests/kernels/test_layer_seam.py tests/test_spec.py -k "compiled or decoder or one_kernel" \
   > "$R/pytest.txt" 2>&1; echo "pytest rc=$?" >> "$R/pytest.txt"
-timeout 110 python3 results/h200/window_mgpu/probe.py --out="$R/wm" > "$R/wm.log" 2>&1
-timeout 120 python3 results/h200/layer_seam/probe.py --out="$R/ls" --stages=4 > "$R/ls.log" 2>&1
-for mlp in kernel_prefetch seam seam_mosaic; do
-  timeout 60 python3 -m scripts.trace_step --methods=dustin --draft_mlp=$mlp --context=32768 \
-    --batch=16 --steps=2 --top=30 --out_dir="$R" --out_name="trace_$mlp.json" > "$R/trace_$mlp.log" 2>&1
-done
+timeout 80 python3 results/h200/window_mgpu/probe.py --out="$R/wm" > "$R/wm.log" 2>&1
+timeout 100 python3 results/h200/layer_seam/probe.py --out="$R/ls" --stages=4 > "$R/ls.log" 2>&1
+timeout 80 python3 -m scripts.trace_step --methods=dustin --draft_mlp=seam_mosaic --context=32768 \
+  --batch=16 --steps=2 --top=30 --out_dir="$R" --out_name=trace_seam_mosaic.json > "$R/trace.log" 2>&1
 timeout 150 python3 -m scripts.bench_e2e --models=qwen7b --contexts=32768 --batches=16 --gammas=4 \
   --methods=vanilla,dustin --draft_mlps=seam_mosaic,kernel_prefetch,seam --phase_batches=16 \
   --repeats=8 --time_budget_s=110 --out_dir="$R" --json_name=e2e_32k16.json > "$R/e2e.log" 2>&1
