@@ -1,7 +1,7 @@
 #!/bin/bash
 # One device call (~9 min on an H200): the GPU tests of the seam and the
-# Mosaic window kernel, the two probes, then the draft variants end to end
-# and per kernel at 32k x 16; $OUT receives the JSON files and logs.
+# Mosaic window kernel, the two probes, seam_mosaic's kernels traced and
+# the draft variants end to end at 32k x 16; $OUT receives the JSON files and logs.
 # Expects the ml_collections wheel under .whl/ (the device has no network).
 cd "$(dirname "$0")/../../.."
 export PYTHONPATH=$PWD
