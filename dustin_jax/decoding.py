@@ -47,26 +47,34 @@ class Model(NamedTuple):
   def with_draft_mlp(self, mode: str) -> "Model":
     """This model as a draft whose MLPs run as `mode` says (a resolved
     mode of `resolve_draft_mlp`)."""
-    if mode not in ("xla", "kernel", "kernel_prefetch", "seam", "seam_mosaic"):
-      raise ValueError(f"with_draft_mlp takes a resolved draft_mlp: 'xla', 'kernel', "
-                       f"'kernel_prefetch', 'seam' or 'seam_mosaic', got {mode!r}")
+    if mode not in DRAFT_MLPS[1:]:
+      raise ValueError(f"with_draft_mlp takes a resolved draft_mlp, one of {DRAFT_MLPS[1:]}, "
+                       f"got {mode!r}")
     if mode == "xla":
       return self
     if mode in ("seam", "seam_mosaic"):
       module = nnx.merge(self.graphdef, self.state)
       module.fuse_seams(attention="mosaic" if mode == "seam_mosaic" else "triton")
       return Model(self.cfg, *nnx.split(module))
-    return self.with_streamed_mlps(prefetch_next_layer=mode == "kernel_prefetch")
+    model = self.with_streamed_mlps(prefetch_next_layer=mode != "kernel")
+    if mode == "kernel_prefetch_mosaic":
+      module = nnx.merge(model.graphdef, model.state)
+      module.use_window_kernel("mosaic")
+      model = Model(model.cfg, *nnx.split(module))
+    return model
 
 
-DRAFT_MLPS = ("auto", "xla", "kernel", "kernel_prefetch", "seam", "seam_mosaic")
+DRAFT_MLPS = ("auto", "xla", "kernel", "kernel_prefetch", "kernel_prefetch_mosaic", "seam",
+              "seam_mosaic")
 
 
 def resolve_draft_mlp(mode: str, cfg: ModelConfig, mesh=None) -> str:
   """How a draft's MLPs run: "kernel" (one kernel per layer pass,
   `kernels.swiglu_mlp`: a Hopper GPU, one device, hidden size a multiple of
   128, intermediate size of 64, bf16 / f16), "kernel_prefetch" (that
-  kernel, which also sends the next layer's q/k/v and o to L2), "seam"
+  kernel, which also sends the next layer's q/k/v and o to L2),
+  "kernel_prefetch_mosaic" (that, with the pass's sink + window attention
+  as the Mosaic GPU kernel of `window_attention_rows`), "seam"
   (a streaming draft's o, MLP and next q/k/v as one resident kernel per
   layer-pass, `kernels.layer_seam`; the same conditions), "seam_mosaic"
   (the seam with the pass's attention as a Mosaic GPU kernel that writes

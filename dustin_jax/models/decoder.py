@@ -81,14 +81,15 @@ def attention(q, k, v, k_cache, v_cache, lengths, impl, mesh):
 
 
 def packed_attention(qkv, k_cache, v_cache, lengths, cos, sin, impl, mesh, *, window=None,
-                     kv_indices=None):
+                     kv_indices=None, window_impl=None):
   """Attention of a block from its packed projection `qkv [B, T, Hkv, G + 2,
   D]` (before RoPE; `cos, sin [B, T, D]`): RoPE, both cache writes and the
   attention in one kernel, over the sink and window rows (`window = (n_sink,
   n_window)`, `window_attention`: a streaming draft) or over the `kv_indices`
   rows (`sparse_verify_packed`: a sparse verification), each plus the block.
-  Returns (out [B, T, Hq, D], k_cache, v_cache), per device under a mesh as
-  `attention`."""
+  `window_impl`: the window attention's impl where it differs from `impl`
+  ("mosaic": `Decoder.window_impl`). Returns (out [B, T, Hq, D], k_cache,
+  v_cache), per device under a mesh as `attention`."""
   impl = block_impl(impl, qkv.shape[1])
 
   def local(qkv, k_cache, v_cache, lengths, cos, sin, *indices):
@@ -97,7 +98,7 @@ def packed_attention(qkv, k_cache, v_cache, lengths, cos, sin, impl, mesh, *, wi
       return sparse_verify_packed(qkv, k_cache, v_cache, lengths, indices[0], cos, sin,
                                   impl=impl)
     return window_attention(qkv, k_cache, v_cache, lengths, cos, sin, n_sink=window[0],
-                            n_window=window[1], impl=impl)
+                            n_window=window[1], impl=window_impl or impl)
   indices = () if kv_indices is None else (kv_indices,)
   args = (qkv, k_cache, v_cache, lengths, cos, sin) + indices
   if mesh is None:
@@ -310,29 +311,31 @@ class Block(nnx.Module):
     return self.self_attn.qkv_proj.kernel[...], self.self_attn.o_proj.kernel[...]
 
   def __call__(self, x, cos, sin, k_cache, v_cache, lengths, kv_indices, impl, mesh,
-               window=None, prefetch=()):
+               window=None, prefetch=(), window_impl=None):
     if window is not None or kv_indices is not None:
       return self.packed_call(x, cos, sin, k_cache, v_cache, lengths, impl, mesh,
-                              window=window, kv_indices=kv_indices, prefetch=prefetch)
+                              window=window, kv_indices=kv_indices, prefetch=prefetch,
+                              window_impl=window_impl)
     q, k, v = self.qkv(x, cos, sin)
     out, k_cache, v_cache = attention(q, k, v, k_cache, v_cache, lengths, impl, mesh)
     return self.finish(x, out, impl, prefetch), k_cache, v_cache, q
 
   def packed_call(self, x, cos, sin, k_cache, v_cache, lengths, impl, mesh, *, window,
-                  kv_indices, prefetch=()):
+                  kv_indices, prefetch=(), window_impl=None):
     """The layer over a subset of the cache (a streaming draft's window or a
     sparse verification's rows): the attention is one kernel
     (`packed_attention`) fed by the packed q/k/v projection."""
     qkv = self.self_attn.packed_qkv(self.input_layernorm(x))
     out, k_cache, v_cache = packed_attention(qkv, k_cache, v_cache, lengths, cos, sin, impl,
-                                             mesh, window=window, kv_indices=kv_indices)
+                                             mesh, window=window, kv_indices=kv_indices,
+                                             window_impl=window_impl)
     # the roped queries only where a caller taps them (XLA drops them elsewhere)
     r = qkv.shape[3] - 2
     q = qkv[:, :, :, :r].reshape(*x.shape[:2], -1, qkv.shape[-1])
     return self.finish(x, out, impl, prefetch), k_cache, v_cache, apply_rope(q, cos, sin)
 
 
-def run_block(layer: Block, *args, impl, mesh, window=None, prefetch=()):
+def run_block(layer: Block, *args, impl, mesh, window=None, prefetch=(), window_impl=None):
   """`layer(*args, impl, mesh)` through one jitted function shared by every
   layer. Why: jit traces and lowers a function once per distinct argument
   shape, so a step with ~150 layer applications (every layer of the target,
@@ -340,12 +343,13 @@ def run_block(layer: Block, *args, impl, mesh, window=None, prefetch=()):
   instead of ~150; XLA inlines the calls, so the compiled program is the
   one an inline loop would give."""
   graphdef, state = nnx.split(layer)
-  return _block(graphdef, state, prefetch, *args, impl=impl, mesh=mesh, window=window)
+  return _block(graphdef, state, prefetch, *args, impl=impl, mesh=mesh, window=window,
+                window_impl=window_impl)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "impl", "mesh", "window"))
-def _block(graphdef, state, prefetch, *args, impl, mesh, window):
-  return nnx.merge(graphdef, state)(*args, impl, mesh, window, prefetch)
+@functools.partial(jax.jit, static_argnames=("graphdef", "impl", "mesh", "window", "window_impl"))
+def _block(graphdef, state, prefetch, *args, impl, mesh, window, window_impl):
+  return nnx.merge(graphdef, state)(*args, impl, mesh, window, prefetch, window_impl)
 
 
 class Decoder(nnx.Module):
@@ -362,7 +366,8 @@ class Decoder(nnx.Module):
     # whether a layer's MLP kernel sends the next layer's q/k/v and o to L2 (`stream_mlps`)
     self.prefetch_next_layer = False
     self.seam_stream = None  # every layer's o, MLP and q/k/v in one stream, after `fuse_seams()`
-    self.seam_attention = "triton"  # the seam pass's attention kernel on GPU (`fuse_seams`)
+    # a streaming pass's attention kernel on a GPU: "triton" or "mosaic" (`window_impl`)
+    self.window_kernel = "triton"
 
   def __call__(self, tokens: jax.Array, cache: KVCache, *,
                kv_indices: jax.Array | None = None, window: tuple[int, int] | None = None,
@@ -383,6 +388,9 @@ class Decoder(nnx.Module):
     if (window is not None and self.seam_stream is not None and mesh is None
         and tokens.size <= 64):
       return self._seam_pass(tokens, cache, cos, sin, window, tap_layers, impl)
+    window_impl = None
+    if window is not None and mesh is None:
+      window_impl = self.window_impl(tokens.shape, impl, window, cache.max_len)
     x = jnp.take(self.embed_tokens[...], tokens, axis=0)
     taps = {}
     for i, layer in enumerate(self.layers):
@@ -391,19 +399,39 @@ class Decoder(nnx.Module):
         prefetch = self.layers[i + 1].attention_weights()
       x, k, v, q = run_block(layer, x, cos, sin, cache.k[i], cache.v[i], cache.lengths,
                              kv_indices, impl=impl, mesh=mesh, window=window,
-                             prefetch=prefetch)
+                             prefetch=prefetch, window_impl=window_impl)
       cache = cache.with_layer(i, k, v)
       if i in tap_layers:
         taps[i] = q
     return self.norm(x), cache, taps
+
+  def window_impl(self, tokens_shape, impl, window, cache_rows) -> str:
+    """A streaming pass's attention impl: "mosaic" (the Mosaic GPU kernel of
+    `window_attention_rows`) where `window_kernel` asks for it, the impl is
+    a GPU's and the kernel takes the shapes; else `block_impl`'s."""
+    cfg = self.cfg
+    (b, t), g = tokens_shape, cfg.num_kv_heads
+    attention_impl = block_impl(impl, t)
+    if (self.window_kernel == "mosaic" and resolve_impl(attention_impl) == "gpu"
+        and window_mosaic.fits(b, t, g, cfg.num_heads // g, cfg.head_dim,
+                               self.embed_tokens.dtype, *window, cache_rows=cache_rows)):
+      return "mosaic"
+    return attention_impl
+
+  def use_window_kernel(self, kernel: str):
+    """A streaming pass's attention on a GPU: "triton" (`window_attention`'s
+    kernel and an XLA merge of its split programs) or "mosaic" (the Mosaic
+    GPU kernel, which merges its splits itself; Hopper, head_dim 64)."""
+    if kernel not in ("triton", "mosaic"):
+      raise ValueError(f"the window kernel must be 'triton' or 'mosaic', got {kernel!r}")
+    self.window_kernel = kernel
 
   def _seam_pass(self, tokens, cache, cos, sin, window, tap_layers, impl):
     """`__call__` over a streaming draft's window with the work between two
     attentions as one kernel (`kernels.layer_seam`): layer 0's q/k/v is one
     GEMM; then per layer the q/k/v rows scaled by the residual's RMSNorm
     scale plus the bias (one XLA fusion), the attention (as token rows:
-    `window_attention_rows`, on a GPU the Triton kernel or, after
-    `fuse_seams(attention="mosaic")`, the Mosaic one), then layer i's o,
+    `window_attention_rows`, on a GPU as `window_impl` says), then layer i's o,
     MLP and layer i + 1's q/k/v. The residual stream stays f32 ([Mp, D], the
     rows padded to a multiple of 8) until the final norm."""
     cfg = self.cfg
@@ -422,11 +450,7 @@ class Decoder(nnx.Module):
     stream = self.seam_stream[...]
     g = cfg.num_kv_heads
     cos_half, sin_half = rope_halves(cos, sin)
-    attention_impl = block_impl(impl, t)
-    if (self.seam_attention == "mosaic" and resolve_impl(attention_impl) == "gpu"
-        and window_mosaic.fits(b, t, g, cfg.num_heads // g, cfg.head_dim, dtype, *window,
-                               cache_rows=cache.max_len)):
-      attention_impl = "mosaic"
+    attention_impl = self.window_impl((b, t), impl, window, cache.max_len)
     taps = {}
     for i, layer in enumerate(self.layers):
       attention = layer.self_attn
@@ -461,11 +485,8 @@ class Decoder(nnx.Module):
     longer blocks run them): the stream is a second copy of all but the
     embeddings (~0.9 GB for Qwen2.5-0.5B). Needs folded norm weights
     (`fold_norm_weights`) and no o bias. `attention`: the pass's attention
-    kernel on a GPU, "triton" (`window_attention`) or "mosaic"
-    (`window_attention_rows`' Mosaic GPU kernel where it takes the shapes)."""
-    if attention not in ("triton", "mosaic"):
-      raise ValueError(f"attention must be 'triton' or 'mosaic', got {attention!r}")
-    self.seam_attention = attention
+    kernel on a GPU (`use_window_kernel`)."""
+    self.use_window_kernel(attention)
     blocks = []
     for layer in self.layers:
       attention, mlp = layer.self_attn, layer.mlp

@@ -195,7 +195,7 @@ def test_decoder_with_fused_seams_equals_the_decoder_on_a_streaming_window(atten
   cfg, model = _tiny_decoder(head_dim=head_dim)
   fused = _tiny_decoder(head_dim=head_dim)[1]
   fused.fuse_seams(attention=attention)
-  assert fused.seam_attention == attention
+  assert fused.window_kernel == attention
   assert fused.seam_stream.shape == (2 * fused.seam_dims().blocks * 64, 128)
   cache = KVCache.init(cfg, batch=4, max_len=96)
   prompt = jax.random.randint(jax.random.key(0), (4, 40), 0, 101)
