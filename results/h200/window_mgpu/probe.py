@@ -72,9 +72,10 @@ def main():
   rng = np.random.default_rng(0)
   lengths = jnp.asarray(rng.integers(600, s - 8, B), jnp.int32)
   keys = jax.random.split(jax.random.key(0), 4)
-  kc = jax.random.normal(keys[0], (LAYERS, B, HKV, s, D), jnp.bfloat16)
-  vc = jax.random.normal(keys[1], (LAYERS, B, HKV, s, D), jnp.bfloat16)
   for t in (1, 2):
+    # fresh caches for each T: its correctness check does not read what T = 1's chains wrote
+    kc = jax.random.normal(keys[0], (LAYERS, B, HKV, s, D), jnp.bfloat16)
+    vc = jax.random.normal(keys[1], (LAYERS, B, HKV, s, D), jnp.bfloat16)
     qkv = jax.random.normal(keys[2], (LAYERS, B, t, HKV, G + 2, D), jnp.bfloat16)
     cos, sin = tables(lengths, t)
     rec = dict(t=t)
