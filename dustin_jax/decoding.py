@@ -37,13 +37,6 @@ class Model(NamedTuple):
     module.fold_norm_weights()
     return Model(self.cfg, *nnx.split(module))
 
-  def with_streamed_mlps(self, prefetch_next_layer: bool = False) -> "Model":
-    """This model with each MLP kept in the layout of the one-kernel MLP
-    (`Decoder.stream_mlps`)."""
-    module = nnx.merge(self.graphdef, self.state)
-    module.stream_mlps(prefetch_next_layer)
-    return Model(self.cfg, *nnx.split(module))
-
   def with_draft_mlp(self, mode: str) -> "Model":
     """This model as a draft whose MLPs run as `mode` says (a resolved
     mode of `resolve_draft_mlp`)."""
@@ -52,16 +45,14 @@ class Model(NamedTuple):
                        f"got {mode!r}")
     if mode == "xla":
       return self
+    module = nnx.merge(self.graphdef, self.state)
     if mode in ("seam", "seam_mosaic"):
-      module = nnx.merge(self.graphdef, self.state)
       module.fuse_seams(attention="mosaic" if mode == "seam_mosaic" else "triton")
-      return Model(self.cfg, *nnx.split(module))
-    model = self.with_streamed_mlps(prefetch_next_layer=mode != "kernel")
-    if mode == "kernel_prefetch_mosaic":
-      module = nnx.merge(model.graphdef, model.state)
-      module.use_window_kernel("mosaic")
-      model = Model(model.cfg, *nnx.split(module))
-    return model
+    else:
+      module.stream_mlps(prefetch_next_layer=mode != "kernel")
+      if mode == "kernel_prefetch_mosaic":
+        module.use_window_kernel("mosaic")
+    return Model(self.cfg, *nnx.split(module))
 
 
 DRAFT_MLPS = ("auto", "xla", "kernel", "kernel_prefetch", "kernel_prefetch_mosaic", "seam",

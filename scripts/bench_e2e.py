@@ -54,6 +54,7 @@ from dustin_jax.decoding import resolve_draft_mlp
 from dustin_jax.selection.policies import policy_from_config
 from dustin_jax.speculative.step import SpecConfig, SpecState, bind_spec_step
 from dustin_jax.vanilla import VanillaState, bind_vanilla_step
+from kernels.common import round_up
 from scripts.benchmarking import (DeviceTimer, benchmark_pairs, compile_cache_from_flag,
                                   floor_bytes, floor_time, fresh_decode_state, graph_mode,
                                   phase_device_ms, pyplot, queued_steps, random_cache,
@@ -202,8 +203,8 @@ def bench_model(name, contexts, mesh, deadline, records, save):
       # over _time_loop's steps (2 + 2 x repeats + the steady measurement's;
       # the phase timing resets them), + 4 spare
       timed = 2 + 2 * FLAGS.repeats + steady_step_count(FLAGS.repeats)
-      max_len = max_ctx + (timed + 4) * (gamma + 1) + 8
-      max_len = -(-max_len // 128) * 128  # whole tiles of rows (TMA kernels want multiples of 8)
+      # whole tiles of rows (TMA kernels want a multiple of 8)
+      max_len = round_up(max_ctx + (timed + 4) * (gamma + 1) + 8, 128)
       plan = sharding.memory_plan(tcfg, dcfg, batch=batch, max_len=max_len, data=1,
                                   model=FLAGS.mesh_model, gamma=gamma,
                                   capacity=sharding.device_capacity())

@@ -36,6 +36,7 @@ from dustin_jax.decoding import DRAFT_MLPS, resolve_draft_mlp
 from dustin_jax.selection.policies import policy_from_config
 from dustin_jax.speculative.step import SpecConfig, bind_spec_step
 from dustin_jax.vanilla import VanillaState, bind_vanilla_step
+from kernels.common import round_up
 from scripts.benchmarking import (attribute_phases, busy_time, compile_cache_from_flag,
                                   device_events, fresh_decode_state, graph_mode, hlo_op_names,
                                   hlo_phases, load_trace_events, plot_timeline, random_cache,
@@ -159,8 +160,8 @@ def main(argv):
   tcfg, dcfg = target.cfg, draft.cfg
   # lengths grow as steps commit: room for every step this script runs
   n_steps = 2 + steady_step_count(FLAGS.asrun_steps) + FLAGS.steps
-  max_len = ctx + (n_steps + 2) * (FLAGS.gamma + 1) + 8
-  max_len = -(-max_len // 128) * 128  # whole tiles of rows (TMA kernels want multiples of 8)
+  # whole tiles of rows (TMA kernels want a multiple of 8)
+  max_len = round_up(ctx + (n_steps + 2) * (FLAGS.gamma + 1) + 8, 128)
   out = {"device": jax.devices()[0].device_kind, "devices": FLAGS.mesh_model,
          "model": FLAGS.model, "draft_mlp": draft_mlp, "batch": b, "context": ctx, "gamma": FLAGS.gamma,
          "jax_version": jax.__version__, "xla_flags": os.environ.get("XLA_FLAGS", "")}
