@@ -258,13 +258,16 @@ class MLP(nnx.Module):
     self.gate_up_proj = Linear(d, 2 * f, bias=False, dtype=dtype, rngs=rngs)  # gate_up_columns
     self.down_proj = Linear(f, d, bias=False, dtype=dtype, rngs=rngs)
     self.streamed = None  # both matrices in kernels.swiglu_mlp's layout, after `stream()`
+    self.pdl = False  # the kernel's launch overlapped with the kernels before (`stream`)
 
-  def stream(self):
+  def stream(self, pdl: bool = False):
     """Keep the weights only in the layout of the one-kernel MLP
-    (`kernels.swiglu_mlp`), which `add_to` runs for <= 64 rows."""
+    (`kernels.swiglu_mlp`), which `add_to` runs for <= 64 rows; `pdl`: that
+    kernel starts streaming its weights while the kernels before it run."""
     self.streamed = nnx.data(nnx.Param(stream_layout(self.gate_up_proj.kernel[...],
                                                      self.down_proj.kernel[...])))
     self.gate_up_proj = self.down_proj = None
+    self.pdl = pdl
 
   def __call__(self, x):
     gate_up = self.gate_up_proj(x).reshape(x.shape[:-1] + (-1, 2))
@@ -277,10 +280,10 @@ class MLP(nnx.Module):
     if self.streamed is None:
       return residual + self(x)
     rows = x.reshape(-1, x.shape[-1])
-    if not swiglu_mlp_ops.fits(*rows.shape, rows.dtype):
+    if not swiglu_mlp_ops.fits(*rows.shape, rows.dtype, pdl=self.pdl):
       impl = "reference"
     out = swiglu_mlp_ops.swiglu_mlp(rows, self.streamed[...], residual.reshape(rows.shape),
-                                    prefetch=prefetch, impl=impl)
+                                    prefetch=prefetch, impl=impl, pdl=self.pdl)
     return out.astype(residual.dtype).reshape(residual.shape)
 
 
@@ -512,15 +515,17 @@ class Decoder(nnx.Module):
       layer.input_layernorm.fold_into(layer.self_attn.qkv_proj)
       layer.post_attention_layernorm.fold_into(layer.mlp.gate_up_proj)
 
-  def stream_mlps(self, prefetch_next_layer: bool = False):
+  def stream_mlps(self, prefetch_next_layer: bool = False, pdl: bool = False):
     """Every layer's MLP as one kernel at decode rows (`MLP.stream`; Hopper:
     TMA, WGMMA), its weights kept in that kernel's layout only. With
     `prefetch_next_layer` each layer's kernel sends the next layer's q/k/v
     and o matrices to L2: at a few rows their GEMMs are bound by latency,
     not bandwidth, and loads from L2 arrive sooner. (The next MLP's own
-    26 MB, prefetched too, cost its kernel more than they saved.)"""
+    26 MB, prefetched too, cost its kernel more than they saved.) `pdl`:
+    each MLP kernel launches while the kernels before it run and streams
+    its weights meanwhile (`MLP.stream`)."""
     for layer in self.layers:
-      layer.mlp.stream()
+      layer.mlp.stream(pdl)
     self.prefetch_next_layer = prefetch_next_layer
 
   def logits(self, hidden: jax.Array) -> jax.Array:
