@@ -242,7 +242,10 @@ def test_kernel_with_pdl_compiled_in_a_chain_equals_reference(m):
   """`pdl` kernels launched while the kernels before them run: two in a
   row, each reading what the one before wrote (x from an XLA kernel, then
   the first MLP's output), three calls, so that a read before its
-  producer's end would show as a wrong or moving result."""
+  producer's end would show as a wrong or moving result (x not yet scaled
+  by 1.5, the residual without its + 1). The tolerance is the chain's
+  rounding: the first output, summed by reduce-adds in no fixed order, is
+  rounded to bf16 before the second MLP."""
   x, gate_up, down, residual = operands(m, m, 896, 4864)
   w = stream_layout(gate_up, down)
 
@@ -253,4 +256,4 @@ def test_kernel_with_pdl_compiled_in_a_chain_equals_reference(m):
   want = chain(x, residual, lambda a, r: swiglu_mlp_reference(a, w, r))
   run = jax.jit(lambda x, r: chain(x, r, lambda a, r: swiglu_mlp(a, w, r, pdl=True)))
   for _ in range(3):
-    np.testing.assert_allclose(as_f32(run(x, residual)), as_f32(want), rtol=5e-3, atol=5e-3)
+    np.testing.assert_allclose(as_f32(run(x, residual)), as_f32(want), rtol=2e-2, atol=2e-2)
