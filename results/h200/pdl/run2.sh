@@ -11,12 +11,12 @@ python3 -m pip install -q --no-deps --no-index .whl/ml_collections-*.whl > /dev/
 nvidia-smi --query-gpu=name,memory.total,clocks.max.memory --format=csv > "$R/gpu.txt" 2>&1
 timeout 80 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_swiglu_mlp.py -k "chain" \
   > "$R/pytest.txt" 2>&1; echo "pytest rc=$?" >> "$R/pytest.txt"
-timeout 260 python3 -m scripts.bench_e2e --models=qwen7b --contexts=32768 --batches=16 --gammas=4 \
+timeout 240 python3 -m scripts.bench_e2e --models=qwen7b --contexts=32768 --batches=16 --gammas=4 \
   --methods=vanilla,dustin --draft_mlps=kernel_prefetch,kernel_prefetch_pdl,kernel_prefetch_mosaic \
-  --phase_batches=16 --repeats=8 --time_budget_s=230 --out_dir="$R" --json_name=e2e_32k16.json \
+  --phase_batches=16 --repeats=8 --time_budget_s=190 --out_dir="$R" --json_name=e2e_32k16.json \
   > "$R/e2e.log" 2>&1
 for mode in kernel_prefetch kernel_prefetch_pdl; do
-  timeout 75 python3 -m scripts.trace_step --methods=dustin --draft_mlp=$mode --context=32768 \
+  timeout 65 python3 -m scripts.trace_step --methods=dustin --draft_mlp=$mode --context=32768 \
     --batch=16 --steps=2 --top=30 --timeline --out_dir="$R" --out_name=trace_$mode.json \
     > "$R/trace_$mode.log" 2>&1
 done
