@@ -45,10 +45,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.draft_window = 496
   c.draft_mlp = "auto"            # the draft's MLPs: auto | xla | kernel (one kernel per layer
                                   # pass, Hopper, one device) | kernel_prefetch (the kernel,
-                                  # sending the next layer's q/k/v and o to L2) |
-                                  # kernel_prefetch_pdl (that, launched while the kernels
-                                  # before it run, opt-in) | kernel_prefetch_mosaic (that, the window attention a
-                                  # Mosaic GPU kernel, opt-in) | seam
+                                  # sending the next layer's q/k/v and o to L2) | seam
                                   # (streaming draft: o, MLP and next q/k/v as one
                                   # resident kernel per layer, opt-in) | seam_mosaic
                                   # (the seam, the attention a Mosaic GPU kernel); auto:

@@ -49,25 +49,18 @@ class Model(NamedTuple):
     if mode in ("seam", "seam_mosaic"):
       module.fuse_seams(attention="mosaic" if mode == "seam_mosaic" else "triton")
     else:
-      module.stream_mlps(prefetch_next_layer=mode != "kernel", pdl=mode == "kernel_prefetch_pdl")
-      if mode == "kernel_prefetch_mosaic":
-        module.use_window_kernel("mosaic")
+      module.stream_mlps(prefetch_next_layer=mode != "kernel")
     return Model(self.cfg, *nnx.split(module))
 
 
-DRAFT_MLPS = ("auto", "xla", "kernel", "kernel_prefetch", "kernel_prefetch_pdl",
-              "kernel_prefetch_mosaic", "seam", "seam_mosaic")
+DRAFT_MLPS = ("auto", "xla", "kernel", "kernel_prefetch", "seam", "seam_mosaic")
 
 
 def resolve_draft_mlp(mode: str, cfg: ModelConfig, mesh=None) -> str:
   """How a draft's MLPs run: "kernel" (one kernel per layer pass,
   `kernels.swiglu_mlp`: a Hopper GPU, one device, hidden size a multiple of
   128, intermediate size of 64, bf16 / f16), "kernel_prefetch" (that
-  kernel, which also sends the next layer's q/k/v and o to L2),
-  "kernel_prefetch_pdl" (that kernel launched while the kernels before it
-  run, its weights streamed meanwhile: programmatic dependent launch),
-  "kernel_prefetch_mosaic" (that, with the pass's sink + window attention
-  as the Mosaic GPU kernel of `window_attention_rows`), "seam"
+  kernel, which also sends the next layer's q/k/v and o to L2), "seam"
   (a streaming draft's o, MLP and next q/k/v as one resident kernel per
   layer-pass, `kernels.layer_seam`; the same conditions), "seam_mosaic"
   (the seam with the pass's attention as a Mosaic GPU kernel that writes

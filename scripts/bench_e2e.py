@@ -85,9 +85,8 @@ flags.DEFINE_float("time_budget_s", 540, "stop starting new configs after this l
 flags.DEFINE_list("draft_mlps", ["auto"], "the draft's MLPs, each timed per speculative "
                   "method: auto | xla (its GEMMs) | kernel (kernels.swiglu_mlp, Hopper) | "
                   "kernel_prefetch (the kernel, sending the next layer's q/k/v and o to "
-                  "L2; auto: wherever it runs, as the CLI) | kernel_prefetch_pdl (that, "
-                  "launched while the kernels before it run) | kernel_prefetch_mosaic | "
-                  "seam | seam_mosaic (see dustin_jax.decoding.resolve_draft_mlp)")
+                  "L2; auto: wherever it runs, as the CLI) | seam | seam_mosaic (see "
+                  "dustin_jax.decoding.resolve_draft_mlp)")
 flags.DEFINE_bool("smoke", False, "tiny shapes on CPU (schema test)")
 flags.DEFINE_string("xla_flags", "", "appended to XLA_FLAGS before jax starts (e.g. "
                     "--xla_gpu_enable_command_buffer=... to try CUDA graphs)")

@@ -156,8 +156,8 @@ def _refused(*overrides, config="configs/tiny.py"):
     ("--config.selection.budget=8", "selection.budget=8 is smaller than"),
     ("--config.mem_fraction=1.5", "mem_fraction=1.5 must be in (0, 1]"),
     ("--config.draft_mlp=fused",
-     "draft_mlp must be one of ('auto', 'xla', 'kernel', 'kernel_prefetch', "
-     "'kernel_prefetch_pdl', 'kernel_prefetch_mosaic', 'seam', 'seam_mosaic'), got 'fused'"),
+     "draft_mlp must be one of ('auto', 'xla', 'kernel', 'kernel_prefetch', 'seam', "
+     "'seam_mosaic'), got 'fused'"),
     # the tiny draft: hidden size 64, f32
     ("--config.draft_mlp=kernel", "draft_mlp='kernel' runs on one device with hidden_size % 128"),
 ])

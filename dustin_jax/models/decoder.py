@@ -81,15 +81,14 @@ def attention(q, k, v, k_cache, v_cache, lengths, impl, mesh):
 
 
 def packed_attention(qkv, k_cache, v_cache, lengths, cos, sin, impl, mesh, *, window=None,
-                     kv_indices=None, window_impl=None):
+                     kv_indices=None):
   """Attention of a block from its packed projection `qkv [B, T, Hkv, G + 2,
   D]` (before RoPE; `cos, sin [B, T, D]`): RoPE, both cache writes and the
   attention in one kernel, over the sink and window rows (`window = (n_sink,
   n_window)`, `window_attention`: a streaming draft) or over the `kv_indices`
   rows (`sparse_verify_packed`: a sparse verification), each plus the block.
-  `window_impl`: the window attention's impl where it differs from `impl`
-  ("mosaic": `Decoder.window_impl`). Returns (out [B, T, Hq, D], k_cache,
-  v_cache), per device under a mesh as `attention`."""
+  Returns (out [B, T, Hq, D], k_cache, v_cache), per device under a mesh as
+  `attention`."""
   impl = block_impl(impl, qkv.shape[1])
 
   def local(qkv, k_cache, v_cache, lengths, cos, sin, *indices):
@@ -98,7 +97,7 @@ def packed_attention(qkv, k_cache, v_cache, lengths, cos, sin, impl, mesh, *, wi
       return sparse_verify_packed(qkv, k_cache, v_cache, lengths, indices[0], cos, sin,
                                   impl=impl)
     return window_attention(qkv, k_cache, v_cache, lengths, cos, sin, n_sink=window[0],
-                            n_window=window[1], impl=window_impl or impl)
+                            n_window=window[1], impl=impl)
   indices = () if kv_indices is None else (kv_indices,)
   args = (qkv, k_cache, v_cache, lengths, cos, sin) + indices
   if mesh is None:
@@ -258,16 +257,13 @@ class MLP(nnx.Module):
     self.gate_up_proj = Linear(d, 2 * f, bias=False, dtype=dtype, rngs=rngs)  # gate_up_columns
     self.down_proj = Linear(f, d, bias=False, dtype=dtype, rngs=rngs)
     self.streamed = None  # both matrices in kernels.swiglu_mlp's layout, after `stream()`
-    self.pdl = False  # the kernel's launch overlapped with the kernels before (`stream`)
 
-  def stream(self, pdl: bool = False):
+  def stream(self):
     """Keep the weights only in the layout of the one-kernel MLP
-    (`kernels.swiglu_mlp`), which `add_to` runs for <= 64 rows; `pdl`: that
-    kernel starts streaming its weights while the kernels before it run."""
+    (`kernels.swiglu_mlp`), which `add_to` runs for <= 64 rows."""
     self.streamed = nnx.data(nnx.Param(stream_layout(self.gate_up_proj.kernel[...],
                                                      self.down_proj.kernel[...])))
     self.gate_up_proj = self.down_proj = None
-    self.pdl = pdl
 
   def __call__(self, x):
     gate_up = self.gate_up_proj(x).reshape(x.shape[:-1] + (-1, 2))
@@ -280,10 +276,10 @@ class MLP(nnx.Module):
     if self.streamed is None:
       return residual + self(x)
     rows = x.reshape(-1, x.shape[-1])
-    if not swiglu_mlp_ops.fits(*rows.shape, rows.dtype, pdl=self.pdl):
+    if not swiglu_mlp_ops.fits(*rows.shape, rows.dtype):
       impl = "reference"
     out = swiglu_mlp_ops.swiglu_mlp(rows, self.streamed[...], residual.reshape(rows.shape),
-                                    prefetch=prefetch, impl=impl, pdl=self.pdl)
+                                    prefetch=prefetch, impl=impl)
     return out.astype(residual.dtype).reshape(residual.shape)
 
 
@@ -314,31 +310,29 @@ class Block(nnx.Module):
     return self.self_attn.qkv_proj.kernel[...], self.self_attn.o_proj.kernel[...]
 
   def __call__(self, x, cos, sin, k_cache, v_cache, lengths, kv_indices, impl, mesh,
-               window=None, prefetch=(), window_impl=None):
+               window=None, prefetch=()):
     if window is not None or kv_indices is not None:
       return self.packed_call(x, cos, sin, k_cache, v_cache, lengths, impl, mesh,
-                              window=window, kv_indices=kv_indices, prefetch=prefetch,
-                              window_impl=window_impl)
+                              window=window, kv_indices=kv_indices, prefetch=prefetch)
     q, k, v = self.qkv(x, cos, sin)
     out, k_cache, v_cache = attention(q, k, v, k_cache, v_cache, lengths, impl, mesh)
     return self.finish(x, out, impl, prefetch), k_cache, v_cache, q
 
   def packed_call(self, x, cos, sin, k_cache, v_cache, lengths, impl, mesh, *, window,
-                  kv_indices, prefetch=(), window_impl=None):
+                  kv_indices, prefetch=()):
     """The layer over a subset of the cache (a streaming draft's window or a
     sparse verification's rows): the attention is one kernel
     (`packed_attention`) fed by the packed q/k/v projection."""
     qkv = self.self_attn.packed_qkv(self.input_layernorm(x))
     out, k_cache, v_cache = packed_attention(qkv, k_cache, v_cache, lengths, cos, sin, impl,
-                                             mesh, window=window, kv_indices=kv_indices,
-                                             window_impl=window_impl)
+                                             mesh, window=window, kv_indices=kv_indices)
     # the roped queries only where a caller taps them (XLA drops them elsewhere)
     r = qkv.shape[3] - 2
     q = qkv[:, :, :, :r].reshape(*x.shape[:2], -1, qkv.shape[-1])
     return self.finish(x, out, impl, prefetch), k_cache, v_cache, apply_rope(q, cos, sin)
 
 
-def run_block(layer: Block, *args, impl, mesh, window=None, prefetch=(), window_impl=None):
+def run_block(layer: Block, *args, impl, mesh, window=None, prefetch=()):
   """`layer(*args, impl, mesh)` through one jitted function shared by every
   layer. Why: jit traces and lowers a function once per distinct argument
   shape, so a step with ~150 layer applications (every layer of the target,
@@ -346,13 +340,12 @@ def run_block(layer: Block, *args, impl, mesh, window=None, prefetch=(), window_
   instead of ~150; XLA inlines the calls, so the compiled program is the
   one an inline loop would give."""
   graphdef, state = nnx.split(layer)
-  return _block(graphdef, state, prefetch, *args, impl=impl, mesh=mesh, window=window,
-                window_impl=window_impl)
+  return _block(graphdef, state, prefetch, *args, impl=impl, mesh=mesh, window=window)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "impl", "mesh", "window", "window_impl"))
-def _block(graphdef, state, prefetch, *args, impl, mesh, window, window_impl):
-  return nnx.merge(graphdef, state)(*args, impl, mesh, window, prefetch, window_impl)
+@functools.partial(jax.jit, static_argnames=("graphdef", "impl", "mesh", "window"))
+def _block(graphdef, state, prefetch, *args, impl, mesh, window):
+  return nnx.merge(graphdef, state)(*args, impl, mesh, window, prefetch)
 
 
 class Decoder(nnx.Module):
@@ -369,7 +362,7 @@ class Decoder(nnx.Module):
     # whether a layer's MLP kernel sends the next layer's q/k/v and o to L2 (`stream_mlps`)
     self.prefetch_next_layer = False
     self.seam_stream = None  # every layer's o, MLP and q/k/v in one stream, after `fuse_seams()`
-    # a streaming pass's attention kernel on a GPU: "triton" or "mosaic" (`window_impl`)
+    # the seam pass's attention kernel on a GPU: "triton" or "mosaic" (`window_impl`)
     self.window_kernel = "triton"
 
   def __call__(self, tokens: jax.Array, cache: KVCache, *,
@@ -391,9 +384,6 @@ class Decoder(nnx.Module):
     if (window is not None and self.seam_stream is not None and mesh is None
         and tokens.size <= 64):
       return self._seam_pass(tokens, cache, cos, sin, window, tap_layers, impl)
-    window_impl = None
-    if window is not None and mesh is None:
-      window_impl = self.window_impl(tokens.shape, impl, window, cache.max_len)
     x = jnp.take(self.embed_tokens[...], tokens, axis=0)
     taps = {}
     for i, layer in enumerate(self.layers):
@@ -402,14 +392,14 @@ class Decoder(nnx.Module):
         prefetch = self.layers[i + 1].attention_weights()
       x, k, v, q = run_block(layer, x, cos, sin, cache.k[i], cache.v[i], cache.lengths,
                              kv_indices, impl=impl, mesh=mesh, window=window,
-                             prefetch=prefetch, window_impl=window_impl)
+                             prefetch=prefetch)
       cache = cache.with_layer(i, k, v)
       if i in tap_layers:
         taps[i] = q
     return self.norm(x), cache, taps
 
   def window_impl(self, tokens_shape, impl, window, cache_rows) -> str:
-    """A streaming pass's attention impl: "mosaic" (the Mosaic GPU kernel of
+    """The seam pass's attention impl: "mosaic" (the Mosaic GPU kernel of
     `window_attention_rows`) where `window_kernel` asks for it, the impl is
     a GPU's and the kernel takes the shapes; else `block_impl`'s."""
     cfg = self.cfg
@@ -422,9 +412,12 @@ class Decoder(nnx.Module):
     return attention_impl
 
   def use_window_kernel(self, kernel: str):
-    """A streaming pass's attention on a GPU: "triton" (`window_attention`'s
+    """The seam pass's attention on a GPU: "triton" (`window_attention`'s
     kernel and an XLA merge of its split programs) or "mosaic" (the Mosaic
-    GPU kernel, which merges its splits itself; Hopper, head_dim 64)."""
+    GPU kernel, which merges its splits itself; Hopper, head_dim 64). The
+    layer-by-layer pass keeps the Triton kernel: with the Mosaic one (and
+    the packing of its inputs) the step took 0.37 ms longer at 32k x 16
+    (results/h100/pdl/)."""
     if kernel not in ("triton", "mosaic"):
       raise ValueError(f"the window kernel must be 'triton' or 'mosaic', got {kernel!r}")
     self.window_kernel = kernel
@@ -515,17 +508,15 @@ class Decoder(nnx.Module):
       layer.input_layernorm.fold_into(layer.self_attn.qkv_proj)
       layer.post_attention_layernorm.fold_into(layer.mlp.gate_up_proj)
 
-  def stream_mlps(self, prefetch_next_layer: bool = False, pdl: bool = False):
+  def stream_mlps(self, prefetch_next_layer: bool = False):
     """Every layer's MLP as one kernel at decode rows (`MLP.stream`; Hopper:
     TMA, WGMMA), its weights kept in that kernel's layout only. With
     `prefetch_next_layer` each layer's kernel sends the next layer's q/k/v
     and o matrices to L2: at a few rows their GEMMs are bound by latency,
     not bandwidth, and loads from L2 arrive sooner. (The next MLP's own
-    26 MB, prefetched too, cost its kernel more than they saved.) `pdl`:
-    each MLP kernel launches while the kernels before it run and streams
-    its weights meanwhile (`MLP.stream`)."""
+    26 MB, prefetched too, cost its kernel more than they saved.)"""
     for layer in self.layers:
-      layer.mlp.stream(pdl)
+      layer.mlp.stream()
     self.prefetch_next_layer = prefetch_next_layer
 
   def logits(self, hidden: jax.Array) -> jax.Array:

@@ -31,14 +31,6 @@ row only, and only the first M rows are stored).
     of these steps is the last one again (read from L2; the pipeline's
     specs are per step).
 
-With `pdl` (programmatic dependent launch, jax >= 0.11) the kernel may
-start while the kernel before it still runs: its programs first let the
-kernel after them launch, the memory warpgroup streams weight tiles (which
-no kernel writes) from the start, and only the compute warpgroup waits
-(`griddepcontrol.wait`) for the kernels before to finish, then loads x whole
-(its 64-column tiles Mp rows apart, as `kernels.layer_seam` does) and adds
-into the residual. Without it, x comes tile by tile beside the weights.
-
 Shared memory: stages x (64 x 64 + 64 x 128) x itemsize (x and weight
 slots) + 64 x 64 x itemsize (h) + 2 x 64 x 64 x 4 (the output slots) must
 fit the SM's 227 KB: up to 7 stages at bf16. The down products are
@@ -87,20 +79,9 @@ def _transforms(cols: int, itemsize: int):
   return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
 
 
-def x_rows(m: int, d: int) -> int:
-  """Rows of the shared-memory buffer that holds x whole (`pdl`): tile k is
-  rows k * m .. k * m + 63, of which the first m are loaded; the rest
-  overlap the next tiles and reach only product rows that are never stored
-  (a product row depends on its own x row only)."""
-  return (d // BLOCK - 1) * m + ROWS
-
-
-def smem_bytes(*, itemsize: int, stages: int, resident_x_rows: int = 0) -> int:
-  """Shared memory of one program (see the module docstring): per stage a
-  weight tile, and an x tile unless x is resident (`resident_x_rows` of 64
-  columns); h; the two f32 output slots."""
-  x_bytes = (resident_x_rows * BLOCK if resident_x_rows else stages * ROWS * BLOCK) * itemsize
-  return (stages * BLOCK * TILE_COLS * itemsize + x_bytes + ROWS * BLOCK * itemsize
+def smem_bytes(*, itemsize: int, stages: int) -> int:
+  """Shared memory of one program (see the module docstring)."""
+  return (stages * (ROWS * BLOCK + BLOCK * TILE_COLS) * itemsize + ROWS * BLOCK * itemsize
           + 2 * ROWS * BLOCK * 4)
 
 
@@ -124,9 +105,9 @@ def _prefetch_to_l2(refs, p, programs: int):
       plgpu.async_prefetch(ref.at[pl.ds(start, box)])
 
 
-@functools.partial(jax.jit, static_argnames=("stages", "pdl", "interpret"))
+@functools.partial(jax.jit, static_argnames=("stages", "interpret"))
 def swiglu_mlp_gpu(x, w_stream, residual, prefetch=(), *, stages: int = STAGES,
-                   pdl: bool = False, interpret: bool = False):
+                   interpret: bool = False):
   """See ``reference.py`` for the contract; ``ops.swiglu_mlp`` checks the
   shapes and pads the rows to a multiple of 8. Returns [M, D] f32.
 
@@ -135,11 +116,7 @@ def swiglu_mlp_gpu(x, w_stream, residual, prefetch=(), *, stages: int = STAGES,
   which read them after this one find them there (not in interpret mode,
   which has no prefetches). They are hints: no value depends on them. They
   go out before the program's own loads (results/h200/README.md, "The next
-  layer's weights in L2").
-
-  `pdl`: x resident and the launch overlapped with the kernels before (see
-  the module docstring; interpret mode runs the resident layout without
-  the launch control)."""
+  layer's weights in L2")."""
   m, d = x.shape
   programs = w_stream.shape[0]
   itemsize = jnp.dtype(x.dtype).itemsize
@@ -147,15 +124,10 @@ def swiglu_mlp_gpu(x, w_stream, residual, prefetch=(), *, stages: int = STAGES,
   down_steps = d // TILE_COLS
   steps = gate_up_steps + down_steps
   prefetch = () if interpret else tuple(prefetch)
-  launch_control = pdl and not interpret
-  mp = m if pdl else ROWS  # the rows of x in shared memory per tile
 
   def body(x_gmem, w_gmem, *refs):
     *prefetch_refs, out_gmem = refs
     p = lax.axis_index("p")
-    if launch_control:
-      # the next kernel may launch now: it waits for this one's end itself
-      plgpu.griddepcontrol_launch_dependents()
     if prefetch_refs:
       @pl.when(lax.axis_index("wg") == 0)
       def _prefetch():
@@ -165,17 +137,8 @@ def swiglu_mlp_gpu(x, w_stream, residual, prefetch=(), *, stages: int = STAGES,
       return (s - gate_up_steps + p) % down_steps
     out_block = out_gmem.at[p] if interpret else out_gmem
 
-    def scope(h_smem, out_smem, *resident):
+    def scope(h_smem, out_smem):
       def compute_context(run_pipeline):
-        if pdl:
-          xs_smem, x_bar = resident
-          if launch_control:  # x and the residual are the kernels before's outputs
-            plgpu.griddepcontrol_wait()
-          for k in range(gate_up_steps):
-            plgpu.copy_gmem_to_smem(x_gmem.at[:, pl.ds(k * BLOCK, BLOCK)],
-                                    xs_smem.at[pl.ds(k * mp, mp)], x_bar)
-          plgpu.barrier_wait(x_bar)
-
         def accumulators(acc_gate, acc_up):
           run_pipeline((acc_gate, acc_up))
           plgpu.wait_smem_to_gmem(0)
@@ -183,12 +146,9 @@ def swiglu_mlp_gpu(x, w_stream, residual, prefetch=(), *, stages: int = STAGES,
         pl.run_scoped(accumulators, plgpu.ACC((ROWS, BLOCK), jnp.float32),
                       plgpu.ACC((ROWS, BLOCK), jnp.float32))
 
-      def step(idx, *tiles):
-        *x_tile, w_smem, accs = tiles
+      def step(idx, x_smem, w_smem, accs):
         acc_gate, acc_up = accs
         s = idx[0]
-        x_smem = (resident[0].at[pl.ds(jnp.minimum(s, gate_up_steps - 1) * mp, ROWS)] if pdl
-                  else x_tile[0])
 
         @pl.when(s < gate_up_steps)
         def _gate_up():
@@ -226,36 +186,29 @@ def swiglu_mlp_gpu(x, w_stream, residual, prefetch=(), *, stages: int = STAGES,
 
         return accs
 
-      w_spec = plgpu.BlockSpec((BLOCK, TILE_COLS),
-                               lambda s: (jnp.where(s < gate_up_steps, s,
-                                                    gate_up_steps + down_tile(s)), 0),
-                               transforms=_transforms(BLOCK, itemsize), delay_release=1)
-      x_spec = plgpu.BlockSpec((ROWS, BLOCK), lambda s: (0, jnp.minimum(s, gate_up_steps - 1)),
-                               transforms=_transforms(BLOCK, itemsize), delay_release=1)
       pipeline = plgpu.emit_pipeline_warp_specialized(
           step, grid=(steps,), memory_registers=40,
-          in_specs=[w_spec] if pdl else [x_spec, w_spec],
+          in_specs=[plgpu.BlockSpec((ROWS, BLOCK),
+                                    lambda s: (0, jnp.minimum(s, gate_up_steps - 1)),
+                                    transforms=_transforms(BLOCK, itemsize), delay_release=1),
+                    plgpu.BlockSpec((BLOCK, TILE_COLS),
+                                    lambda s: (jnp.where(s < gate_up_steps, s,
+                                                         gate_up_steps + down_tile(s)), 0),
+                                    transforms=_transforms(BLOCK, itemsize), delay_release=1)],
           wg_axis="wg", num_compute_wgs=1, max_concurrent_steps=stages,
           compute_context=compute_context)
-      pipeline(*(() if pdl else (x_gmem,)), w_gmem.at[p])
+      pipeline(x_gmem, w_gmem.at[p])
 
-    resident = ()
-    if pdl:  # x whole, and the barrier its loads arrive on
-      resident = (plgpu.SMEM((x_rows(mp, d), BLOCK), x.dtype,
-                             transforms=_transforms(BLOCK, itemsize)),
-                  plgpu.Barrier(num_arrivals=gate_up_steps))
     pl.run_scoped(
         scope,
         plgpu.SMEM((ROWS, BLOCK), x.dtype, transforms=_transforms(BLOCK, itemsize)),
         plgpu.SMEM((2, ROWS, BLOCK), jnp.float32, transforms=_transforms(BLOCK, 4)),
-        *resident,
         collective_axes="wg")
 
   mesh = dict(grid=(programs,), grid_names=("p",), num_threads=2, thread_name="wg")
   params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup)
-  if interpret:  # per-program partials; x tiles from the pipeline: the rows past M as zeros
-    if not pdl:
-      x = jnp.pad(x, ((0, ROWS - m), (0, 0)))
+  if interpret:  # the x rows past M as explicit zeros, and per-program partials
+    x = jnp.pad(x, ((0, ROWS - m), (0, 0)))
     partials = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((programs, m, d), jnp.float32),
                             compiler_params=params, interpret=interpret_params(),
                             **mesh)(x, w_stream)

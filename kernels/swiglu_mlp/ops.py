@@ -7,32 +7,19 @@ import jax.numpy as jnp
 
 from kernels import common
 from kernels.swiglu_mlp.gpu import (PREFETCH_COLS, ROWS, SMEM_BYTES, STAGES, smem_bytes,
-                                    swiglu_mlp_gpu, x_rows)
+                                    swiglu_mlp_gpu)
 from kernels.swiglu_mlp.reference import BLOCK, TILE_COLS, swiglu_mlp_reference
 
 
-def _smem(m: int, d: int, dtype, stages: int, pdl: bool) -> int:
-  resident = x_rows(common.round_up(m, 8), d) if pdl else 0
-  return smem_bytes(itemsize=jnp.dtype(dtype).itemsize, stages=stages, resident_x_rows=resident)
-
-
-def stages_that_fit(m: int, d: int, dtype, stages: int = STAGES, pdl: bool = False) -> int:
-  """`stages`, or fewer where x resident (`pdl`) leaves less shared memory
-  (at 64 rows of D 896: 4); at least 2. Without it, `stages` as asked."""
-  while pdl and stages > 2 and _smem(m, d, dtype, stages, pdl) > SMEM_BYTES:
-    stages -= 1
-  return stages
-
-
-def fits(m: int, d: int, dtype, stages: int = STAGES, pdl: bool = False) -> bool:
+def fits(m: int, d: int, dtype, stages: int = STAGES) -> bool:
   """Whether the kernel takes x [m, d] (rows, D, dtype, shared memory)."""
   return (1 <= m <= ROWS and d % TILE_COLS == 0
           and jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-          and _smem(m, d, dtype, stages_that_fit(m, d, dtype, stages, pdl), pdl) <= SMEM_BYTES)
+          and smem_bytes(itemsize=jnp.dtype(dtype).itemsize, stages=stages) <= SMEM_BYTES)
 
 
 def swiglu_mlp(x, w_stream, residual, *, prefetch=(), impl: str = "auto",
-               stages: int = STAGES, pdl: bool = False, interpret: bool = False) -> jax.Array:
+               stages: int = STAGES, interpret: bool = False) -> jax.Array:
   """``residual + (silu(x @ gate) * (x @ up)) @ down`` in f32 for x [M, D],
   M <= 64 rows, the weights packed by `reference.stream_layout`.
 
@@ -41,10 +28,7 @@ def swiglu_mlp(x, w_stream, residual, *, prefetch=(), impl: str = "auto",
   `prefetch`: arrays the kernel sends to L2 as it starts, for the kernels
   after it (e.g. the next layer's weights); a hint with no effect on the
   result, taken by the GPU kernel for arrays whose size is a multiple of
-  128 elements. `pdl`: x held whole in shared memory and the kernel's
-  launch overlapped with the kernels before it (programmatic dependent
-  launch: its weight loads start before they end); `stages` then shrinks
-  to what shared memory leaves.
+  128 elements.
   """
   if x.ndim != 2 or residual.shape != x.shape:
     raise ValueError(f"x and residual must both be [M, D], got {x.shape} and {residual.shape}")
@@ -63,8 +47,8 @@ def swiglu_mlp(x, w_stream, residual, *, prefetch=(), impl: str = "auto",
     return swiglu_mlp_reference(x, w_stream, residual)
   if x.dtype not in (jnp.bfloat16, jnp.float16):
     raise ValueError(f"the kernel takes bf16 or f16 x and w_stream, got {x.dtype}")
-  if not fits(m, d, x.dtype, stages, pdl):
-    need = _smem(m, d, x.dtype, stages, pdl)
+  if not fits(m, d, x.dtype, stages):
+    need = smem_bytes(itemsize=x.dtype.itemsize, stages=stages)
     raise ValueError(f"the kernel takes 1..{ROWS} rows and D a multiple of {TILE_COLS} with "
                      f"{stages} x and weight tiles in {SMEM_BYTES} B of shared memory "
                      f"({need} B needed), got [M, D] = {x.shape}")
@@ -72,6 +56,5 @@ def swiglu_mlp(x, w_stream, residual, *, prefetch=(), impl: str = "auto",
   # a row-major array viewed as [N, 128] is the same buffer (no copy)
   prefetch = tuple(a.reshape(-1, PREFETCH_COLS) for a in prefetch if a.size % PREFETCH_COLS == 0)
   out = swiglu_mlp_gpu(jnp.pad(x, pad), w_stream, jnp.pad(residual, pad), prefetch,
-                       stages=stages_that_fit(m, d, x.dtype, stages, pdl), pdl=pdl,
-                       interpret=interpret)
+                       stages=stages, interpret=interpret)
   return out[:m]

@@ -4,6 +4,12 @@ and recent window of a streaming cache, `window_attention_gpu`) or of a
 sparse verify layer (a list of context rows, `listed_attention_gpu`, behind
 `kernels.sparse_verify.ops.sparse_verify_packed`).
 
+Why Triton, which jax deprecates: the Mosaic GPU form of the window
+attention (`mosaic_gpu.py`) made the draft's step 0.37 ms slower at 32k x 16
+(kernels/NOTES.md, "The seam between two attentions"); the listed form is
+not written for Mosaic GPU: its rows sit at arbitrary indices, so each
+would be a TMA load of its own (TMA moves boxes, not gathers).
+
 Grid (B, Hkv, splits).  Program (b, h, p), with L = lengths[b]:
   * loads, from the packed qkv [B, T, Hkv, G + 2, D] (the fused projection's
     output, passed once as its free [B, T * Hkv * (G + 2), D] view, so no

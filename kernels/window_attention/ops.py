@@ -29,9 +29,8 @@ def window_attention(qkv, k_cache, v_cache, lengths, cos, sin, *, n_sink,
       h // (Hq // Hkv)).
     scale: softmax scale, default 1/sqrt(D).
     impl: "auto" (gpu on GPU, reference elsewhere), "reference", "gpu"
-      (Pallas Triton; head_dim a power of two >= 16), "mosaic" (Mosaic GPU,
-      Hopper: `window_attention_rows`), or "tpu", which runs the reference
-      (no TPU kernel).
+      (Pallas Triton; head_dim a power of two >= 16), or "tpu", which runs
+      the reference (no TPU kernel).
     interpret: Pallas interpret mode (CPU tests of the gpu kernel).
     **tuning: gpu: block_w (window tile rows, a power of two >= 16),
       splits (programs per (sequence, KV head) sharing the window tiles,
@@ -43,12 +42,6 @@ def window_attention(qkv, k_cache, v_cache, lengths, cos, sin, *, n_sink,
     and the v rows written.  The gpu kernel updates the caches in place
     (aliased outputs) when their buffers are donated.
   """
-  if impl == "mosaic":  # as token rows, reshaped (free) to [B, T, Hq, D]
-    rows, k_cache, v_cache = window_attention_rows(qkv, k_cache, v_cache, lengths, cos, sin,
-                                                   n_sink=n_sink, n_window=n_window,
-                                                   impl="mosaic", **tuning)
-    b, t, hkv, g2, d = qkv.shape
-    return rows.reshape(b, t, hkv * (g2 - 2), d), k_cache, v_cache
   impl = common.resolve_impl(impl)
   if impl == "gpu":
     return window_attention_gpu(qkv, k_cache, v_cache, lengths, cos, sin,

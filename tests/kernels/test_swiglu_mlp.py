@@ -1,7 +1,6 @@
 """kernels/swiglu_mlp: the streamed layout, the Mosaic GPU kernel against its
 reference (interpreted on CPU, compiled on a Hopper GPU), the public entry's
 checks, and a decoder whose MLPs run streamed."""
-import functools
 import re
 
 import jax
@@ -12,7 +11,7 @@ from flax import nnx
 
 from kernels.common import is_hopper
 from kernels.swiglu_mlp.gpu import PREFETCH_ROWS, prefetch_boxes, swiglu_mlp_gpu
-from kernels.swiglu_mlp.ops import fits, stages_that_fit, swiglu_mlp
+from kernels.swiglu_mlp.ops import fits, swiglu_mlp
 from kernels.swiglu_mlp.reference import stream_layout, swiglu_mlp_reference, unstream_layout
 
 ON_HOPPER = jax.default_backend() == "gpu" and is_hopper()
@@ -64,15 +63,13 @@ def test_reference_is_the_residual_plus_the_swiglu_mlp():
 # (m, d, f, stages): 16 rows (a draft pass at batch 16), two programs, the
 # pipeline's slots fewer than its 6 steps; 5 rows (padded to 8) over three
 # programs and 3 steps
-# programs; with pdl x is held whole, its tiles 16 / 8 rows apart
-@pytest.mark.parametrize("pdl", [False, True])
 @pytest.mark.parametrize("m,d,f,stages", [(16, 256, 128, 2), (5, 128, 192, 3)])
-def test_kernel_interpreted_equals_reference(m, d, f, stages, pdl):
+def test_kernel_interpreted_equals_reference(m, d, f, stages):
   x, gate_up, down, residual = operands(m + d + f, m, d, f)
   w = stream_layout(gate_up, down)
   # the prefetch, a hint, is left out in interpret mode
   got = swiglu_mlp(x, w, residual, prefetch=(gate_up, w), impl="gpu", interpret=True,
-                   stages=stages, pdl=pdl)
+                   stages=stages)
   want = swiglu_mlp_reference(x, w, residual)
   assert got.shape == (m, d) and got.dtype == jnp.float32
   # the same f32 products and rounding of h; the kernel sums K in its own order
@@ -89,19 +86,6 @@ def test_kernel_lowers_to_one_mosaic_gpu_call_that_adds_into_the_residual():
   assert len(re.findall(r"custom_call @mosaic_gpu", text)) == 1
   assert "output_operand_alias" in text and "cp.reduce.async.bulk.tensor" in text
   assert "cp.async.bulk.prefetch" not in text
-  assert "griddepcontrol" not in text
-
-
-def test_kernel_with_pdl_lowers_to_a_launch_that_waits_for_the_kernels_before():
-  """`pdl`: the kernel lets the next one launch and waits (griddepcontrol)
-  before it reads x; x is loaded whole, not by the weight pipeline."""
-  x = jax.ShapeDtypeStruct((16, 896), jnp.bfloat16)
-  w = jax.ShapeDtypeStruct((4864 // 64, 64 * (896 // 64 + 896 // 128), 128), jnp.bfloat16)
-  text = jax.jit(functools.partial(swiglu_mlp_gpu, pdl=True)).trace(x, w, x).lower(
-      lowering_platforms=("cuda",)).as_text()
-  assert len(re.findall(r"custom_call @mosaic_gpu", text)) == 1
-  assert "griddepcontrol.wait" in text and "griddepcontrol.launch_dependents" in text
-  assert "cp.reduce.async.bulk.tensor" in text
 
 
 @pytest.mark.parametrize("n,programs", [(8064, 76), (6272, 76), (102144, 76), (5, 76), (300, 1)])
@@ -151,10 +135,6 @@ def test_ops_checks_and_dispatch():
   assert fits(16, 896, jnp.bfloat16) and fits(16, 2048, jnp.bfloat16)
   assert not fits(80, 896, jnp.bfloat16) and not fits(16, 960, jnp.bfloat16)
   assert not fits(16, 896, jnp.bfloat16, stages=8)
-  # x resident (pdl): 6 weight slots beside 16 rows, 4 beside 64
-  assert stages_that_fit(16, 896, jnp.bfloat16, pdl=True) == 6
-  assert stages_that_fit(64, 896, jnp.bfloat16, pdl=True) == 4
-  assert stages_that_fit(64, 896, jnp.bfloat16) == 6 and fits(64, 896, jnp.bfloat16, pdl=True)
 
 
 # ----------------------------------------------------- the decoder, streamed
@@ -212,12 +192,10 @@ def test_with_draft_mlp_lays_out_the_draft_as_its_resolved_mode_says():
                     rope=RopeConfig(theta=1e6), dtype="bfloat16")
   model = Model(cfg, *nnx.split(Decoder(cfg, rngs=nnx.Rngs(0))))
   assert model.with_draft_mlp("xla") is model
-  for mode, prefetch, pdl in (("kernel", False, False), ("kernel_prefetch", True, False),
-                              ("kernel_prefetch_pdl", True, True)):
+  for mode, prefetch in (("kernel", False), ("kernel_prefetch", True)):
     module = nnx.merge(*model.with_draft_mlp(mode)[1:])
     assert module.layers[0].mlp.streamed is not None
     assert module.prefetch_next_layer is prefetch
-    assert all(layer.mlp.pdl is pdl for layer in module.layers)
   with pytest.raises(ValueError, match="resolved draft_mlp"):  # "auto" is resolved first
     model.with_draft_mlp("auto")
 
@@ -234,26 +212,3 @@ def test_kernel_compiled_equals_reference(m):
   # prefetching another layer's weights (and its own) to L2 changes nothing
   prefetched = jax.jit(swiglu_mlp)(x, w, residual, prefetch=(gate_up, down[::-1], w))
   np.testing.assert_allclose(as_f32(prefetched), as_f32(want), rtol=2e-3, atol=2e-3)
-
-
-@pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper GPU (TMA, WGMMA)")
-@pytest.mark.parametrize("m", [16, 5, 64])
-def test_kernel_with_pdl_compiled_in_a_chain_equals_reference(m):
-  """`pdl` kernels launched while the kernels before them run: two in a
-  row, each reading what the one before wrote (x from an XLA kernel, then
-  the first MLP's output), three calls, so that a read before its
-  producer's end would show as a wrong or moving result (x not yet scaled
-  by 1.5, the residual without its + 1). The tolerance is the chain's
-  rounding: the first output, summed by reduce-adds in no fixed order, is
-  rounded to bf16 before the second MLP."""
-  x, gate_up, down, residual = operands(m, m, 896, 4864)
-  w = stream_layout(gate_up, down)
-
-  def chain(x, residual, mlp):
-    y = mlp((x.astype(jnp.float32) * 1.5).astype(x.dtype), residual + 1)
-    return mlp(y.astype(x.dtype), y)
-
-  want = chain(x, residual, lambda a, r: swiglu_mlp_reference(a, w, r))
-  run = jax.jit(lambda x, r: chain(x, r, lambda a, r: swiglu_mlp(a, w, r, pdl=True)))
-  for _ in range(3):
-    np.testing.assert_allclose(as_f32(run(x, residual)), as_f32(want), rtol=2e-2, atol=2e-2)

@@ -203,10 +203,13 @@ def test_kernel_compiled_equals_reference(T, splits):
   assert_compiled_close(got, (rows_of(out), kc, vc))
 
 
-def test_seam_pass_with_the_mosaic_attention_lowers_to_two_kernels_a_layer():
+@pytest.mark.parametrize("max_len", [256, 250])
+def test_seam_pass_with_the_mosaic_attention_lowers_to_two_kernels_a_layer(max_len):
   """A `draft_mlp="seam_mosaic"` draft's streaming pass, lowered for CUDA:
   per layer the attention kernel writes the rows the seam kernel reads (no
-  Triton call, no merge), two Mosaic GPU calls a layer."""
+  Triton call, no merge), two Mosaic GPU calls a layer. Caches of a row
+  count the Mosaic kernel refuses (not a multiple of 8) keep the Triton
+  attention."""
   from flax import nnx
   from dustin_jax.cache import KVCache
   from dustin_jax.config import ModelConfig, RopeConfig
@@ -218,7 +221,7 @@ def test_seam_pass_with_the_mosaic_attention_lowers_to_two_kernels_a_layer():
   model.fold_norm_weights()
   model.fuse_seams(attention="mosaic")
   graphdef, state = nnx.split(model)
-  cache = KVCache.init(cfg, batch=4, max_len=256)
+  cache = KVCache.init(cfg, batch=4, max_len=max_len)
 
   def forward(state, tokens, cache):
     hidden, cache, _ = nnx.merge(graphdef, state)(tokens, cache, window=(4, 16), impl="gpu")
@@ -228,43 +231,9 @@ def test_seam_pass_with_the_mosaic_attention_lowers_to_two_kernels_a_layer():
   text = jax.jit(forward).trace(state, tokens, cache).lower(
       lowering_platforms=("cuda",)).as_text()
   calls = re.findall(r"call @([\w.]+)\(", text)  # the jitted kernels' call sites
-  assert calls.count("window_attention_rows_gpu") == cfg.num_layers
   assert len([c for c in calls if c.startswith("layer_seam_gpu")]) == cfg.num_layers
-  assert "triton" not in text.lower()
-
-
-@pytest.mark.parametrize("max_len", [256, 250])
-def test_a_streamed_draft_pass_takes_the_mosaic_attention_where_the_kernel_fits(max_len):
-  """`draft_mlp="kernel_prefetch_mosaic"` (no seam kernel): lowered for
-  CUDA, each layer's window attention is the Mosaic kernel (no Triton
-  call); caches of a row count the kernel refuses (not a multiple of 8)
-  keep the Triton kernel."""
-  from dustin_jax.cache import KVCache
-  from dustin_jax.config import ModelConfig, RopeConfig
-  from dustin_jax.decoding import Model
-  from dustin_jax.models.decoder import Decoder
-  from flax import nnx
-  cfg = ModelConfig(model_type="qwen2", vocab_size=101, hidden_size=128, intermediate_size=384,
-                    num_layers=2, num_heads=2, num_kv_heads=2, head_dim=64,
-                    rope=RopeConfig(theta=1e6), qkv_bias=True, dtype="bfloat16")
-  model = Model(cfg, *nnx.split(Decoder(cfg, rngs=nnx.Rngs(0)))).with_folded_norms()
-  draft = model.with_draft_mlp("kernel_prefetch_mosaic")
-  module = nnx.merge(draft.graphdef, draft.state)
-  assert module.window_kernel == "mosaic" and module.prefetch_next_layer
-  assert module.layers[0].mlp.streamed is not None
-  cache = KVCache.init(cfg, batch=4, max_len=max_len)
-
-  def forward(state, tokens, cache):
-    hidden, cache, _ = nnx.merge(draft.graphdef, state)(tokens, cache, window=(4, 16),
-                                                          impl="gpu")
-    return hidden, cache
-
-  tokens = jax.ShapeDtypeStruct((4, 1), jnp.int32)
-  text = jax.jit(forward).trace(draft.state, tokens, cache).lower(
-      lowering_platforms=("cuda",)).as_text()
-  calls = re.findall(r"call @([\w.]+)\(", text)
-  mosaic_calls = calls.count("window_attention_rows_gpu")
   if max_len % 8 == 0:
-    assert mosaic_calls >= 1 and "triton" not in text.lower()
+    assert calls.count("window_attention_rows_gpu") == cfg.num_layers
+    assert "triton" not in text.lower()
   else:
-    assert mosaic_calls == 0 and "triton" in text.lower()
+    assert calls.count("window_attention_rows_gpu") == 0 and "triton" in text.lower()

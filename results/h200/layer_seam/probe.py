@@ -2,8 +2,7 @@
 window of 16 + 496 rows) with the seams between attentions as one resident
 kernel per layer (`draft_mlp="seam"`; `"seam_mosaic"`: with the Mosaic GPU
 window attention) against the package's default draft (`"kernel_prefetch"`:
-six kernels between attentions; `"kernel_prefetch_mosaic"`: with the Mosaic
-window attention), in one process. Not part of the package.
+six kernels between attentions), in one process. Not part of the package.
 
 Wall clock of 30 queued passes (`scripts.benchmarking.queued_steps`: jit,
 the cache donated and fed back so that its rows are written in place,
@@ -57,7 +56,7 @@ def main():
   cfg = ModelConfig.from_hf(dict(PAIRS["qwen7b"][1]), dtype="bfloat16")
   base = random_model(cfg, 1)
   models = {mode: base.with_draft_mlp(mode)
-            for mode in ("kernel_prefetch", "kernel_prefetch_mosaic", "seam", "seam_mosaic")}
+            for mode in ("kernel_prefetch", "seam", "seam_mosaic")}
   cache = random_cache(cfg, args.batch, args.context + 64, args.context, 13)
   window = (16, 496)
   result = dict(device=jax.devices()[0].device_kind, jax=jax.__version__, batch=args.batch,
@@ -77,7 +76,7 @@ def main():
   for t in (1, 2):
     tokens = jax.random.randint(jax.random.key(t), (args.batch, t), 0, cfg.vocab_size)
     stages = [int(s) for s in args.stages.split(",")]
-    variants = ([("kernel_prefetch", None), ("kernel_prefetch_mosaic", None)]
+    variants = ([("kernel_prefetch", None)]
                 + [("seam", s) for s in stages]
                 + [("seam_mosaic", stages[0])])
     for mode, stages in variants:
