@@ -16,7 +16,7 @@ timeout 80 python3 results/h200/window_mgpu/probe.py --out="$R/wm" > "$R/wm.log"
 timeout 100 python3 results/h200/layer_seam/probe.py --out="$R/ls" --stages=4 > "$R/ls.log" 2>&1
 timeout 80 python3 -m scripts.trace_step --methods=dustin --draft_mlp=seam --context=32768 \
   --batch=16 --steps=2 --top=30 --out_dir="$R" --out_name=trace_seam.json > "$R/trace.log" 2>&1
-timeout 150 python3 -m scripts.bench_e2e --models=qwen7b --contexts=32768 --batches=16 --gammas=4 \
+timeout 170 python3 -m scripts.bench_e2e --models=qwen7b --contexts=32768 --batches=16 --gammas=4 \
   --methods=vanilla,dustin --draft_mlps=kernel_prefetch,seam,seam_mosaic --phase_batches=16 \
-  --repeats=8 --time_budget_s=110 --out_dir="$R" --json_name=e2e_32k16.json > "$R/e2e.log" 2>&1
+  --repeats=8 --time_budget_s=130 --out_dir="$R" --json_name=e2e_32k16.json > "$R/e2e.log" 2>&1
 tail -c 1500 "$R/pytest.txt"; grep -h '^{' "$R/wm.log" "$R/ls.log" "$R/e2e.log" | cut -c1-400
