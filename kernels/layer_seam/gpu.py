@@ -66,6 +66,19 @@ def _transforms(cols: int, itemsize: int):
   return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
 
 
+def _phase(name: str):
+  """Runs the decorated function under `jax.named_scope(name)`: a region of
+  Mosaic GPU's in-kernel profiler when the kernel is profiled, else only a
+  name."""
+  def wrap(fn):
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+      with jax.named_scope(name):
+        return fn(*args, **kwargs)
+    return run
+  return wrap
+
+
 def programs_needed(dims: SeamDims, has_next: bool = True) -> int:
   return max(dims.mlp_programs + dims.owners, dims.qkv_tiles if has_next else 0)
 
@@ -101,17 +114,24 @@ def fits(dims: SeamDims, mp: int, stages: int | None = None, sms: int = 132) -> 
           and smem_bytes(dims, mp, stages) <= SMEM_BYTES - 1024)
 
 
-@functools.partial(jax.jit, static_argnames=("dims", "has_next", "eps", "programs", "stages"))
+@functools.partial(jax.jit, static_argnames=("dims", "has_next", "eps", "programs", "stages",
+                                             "profile_dir"))
 def layer_seam_gpu(attn, stream, r, xb, ss, qkv, layer, *, dims: SeamDims, has_next: bool,
-                   eps: float, programs: int, stages: int | None = None):
+                   eps: float, programs: int, stages: int | None = None, profile_dir: str = ""):
   """attn [Mp, A], stream (`reference.seam_layout`, layers stacked), r [Mp,
   D] f32 (this layer's input residual), xb [Mp, D] (scratch), ss [Mp, 64]
   f32 (zero), qkv [Mp, Nq] f32 (any); Mp a multiple of 8. Returns (r', xb,
   ss, qkv): the residual after the layer, scratch, ss zero again and the
-  next layer's unscaled q/k/v (both when has_next)."""
+  next layer's unscaled q/k/v (both when has_next).
+
+  `profile_dir`: where each call writes a trace of the compute warpgroups'
+  phases (Mosaic GPU's in-kernel profiler over the named scopes "o",
+  "o_epilogue", "mlp_start", "gate_up", "swiglu", "down", "qkv"), to find
+  which phase bounds the kernel; empty: no profiling."""
   mp, d = r.shape
   dtype = stream.dtype
-  stages = stages or default_stages(dims, mp)
+  # the profiler's buffer takes shared memory: one weight slot less
+  stages = stages or default_stages(dims, mp) - bool(profile_dir)
   n_mlp, n_own = dims.mlp_programs, dims.owners
   o_steps, gu_steps, down_steps = dims.o_steps, dims.gate_up_steps, dims.down_steps
   mlp_steps = dims.mlp_steps
@@ -150,6 +170,7 @@ def layer_seam_gpu(attn, stream, r, xb, ss, qkv, layer, *, dims: SeamDims, has_n
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(out_smem.at[0, rows], dst)
 
+      @_phase("o_epilogue")
       def owner_epilogue(acc):
         """x_mid = r + the o product into r and (bf16) xb, the sums of its
         squares into ss; then barrier 0."""
@@ -203,6 +224,7 @@ def layer_seam_gpu(attn, stream, r, xb, ss, qkv, layer, *, dims: SeamDims, has_n
         w_lo, w_hi = w_smem.at[:, pl.ds(0, BLOCK)], w_smem.at[:, pl.ds(BLOCK, BLOCK)]
 
         @pl.when(s < n_o)
+        @_phase("o")
         def _o():
           @pl.when(s == 0)
           def _():
@@ -218,6 +240,7 @@ def layer_seam_gpu(attn, stream, r, xb, ss, qkv, layer, *, dims: SeamDims, has_n
         in_mlp = (s >= n_o) & (s < n_o + n_m)
 
         @pl.when(in_mlp & (t == 0))
+        @_phase("mlp_start")
         def _mlp_start():
           plgpu.semaphore_wait(sems.at[0], n_own, decrement=False, memory_scope="gpu")
           for k in range(k_tiles):
@@ -228,12 +251,14 @@ def layer_seam_gpu(attn, stream, r, xb, ss, qkv, layer, *, dims: SeamDims, has_n
           plgpu.barrier_wait(x_bar)
 
         @pl.when(in_mlp & (t < gu_steps))
+        @_phase("gate_up")
         def _gate_up():
           plgpu.wgmma(acc_a, tile(t), w_lo)
           plgpu.wgmma(acc_b, tile(t), w_hi)
           plgpu.wgmma_wait(2)
 
         @pl.when(in_mlp & (t == gu_steps - 1))
+        @_phase("swiglu")
         def _swiglu():
           plgpu.wgmma_wait(0)
           plgpu.barrier_wait(stage_bar)
@@ -255,6 +280,7 @@ def layer_seam_gpu(attn, stream, r, xb, ss, qkv, layer, *, dims: SeamDims, has_n
                                     reduction_op="add")
 
         @pl.when(in_mlp & (t >= gu_steps))
+        @_phase("down")
         def _down():
           def halves(acc_lo, acc_hi):
             plgpu.wgmma(acc_lo, h_smem, w_lo)
@@ -272,6 +298,7 @@ def layer_seam_gpu(attn, stream, r, xb, ss, qkv, layer, *, dims: SeamDims, has_n
 
         if has_next:
           @pl.when(s == n_o + n_m)
+          @_phase("qkv")
           def _qkv():
             plgpu.semaphore_wait(sems.at[1], n_mlp, decrement=False, memory_scope="gpu")
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -314,7 +341,9 @@ def layer_seam_gpu(attn, stream, r, xb, ss, qkv, layer, *, dims: SeamDims, has_n
         collective_axes="wg")
 
   mesh = plgpu.Mesh(grid=(programs,), grid_names=("p",), num_threads=2, thread_name="wg")
-  params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup)
+  # a program's compute warpgroup enters ~33 regions (one per step, two more)
+  profile = dict(profile_space=64, profile_dir=profile_dir) if profile_dir else {}
+  params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup, **profile)
   refs = [jax.new_ref(v) for v in (r, xb, ss, qkv)]
   layer = jnp.asarray(layer, jnp.int32).reshape(1)
   pl.kernel(body, out_type=(), mesh=mesh, compiler_params=params)(layer, attn, stream, *refs)
