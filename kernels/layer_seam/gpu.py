@@ -53,30 +53,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kernels.layer_seam.reference import BLOCK, COLS, SeamDims
+from kernels.mosaic_common import compiler_params, phase, tiled
 
 ROWS = 64  # WGMMA's row operand: the Mp rows and padding
 MAX_STAGES = 10  # weight blocks in flight per program, at most (what shared memory leaves)
 SMEM_BYTES = 227 * 1024
-
-
-def _transforms(cols: int, itemsize: int):
-  """TMA / WGMMA tiling and swizzle of a shared-memory tile whose rows hold
-  `cols` elements."""
-  swizzle = plgpu.find_swizzle(cols * itemsize * 8)
-  return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
-
-
-def _phase(name: str):
-  """Runs the decorated function under `jax.named_scope(name)`: a region of
-  Mosaic GPU's in-kernel profiler when the kernel is profiled, else only a
-  name."""
-  def wrap(fn):
-    @functools.wraps(fn)
-    def run(*args, **kwargs):
-      with jax.named_scope(name):
-        return fn(*args, **kwargs)
-    return run
-  return wrap
 
 
 def programs_needed(dims: SeamDims, has_next: bool = True) -> int:
@@ -170,7 +151,7 @@ def layer_seam_gpu(attn, stream, r, xb, ss, qkv, layer, *, dims: SeamDims, has_n
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(out_smem.at[0, rows], dst)
 
-      @_phase("o_epilogue")
+      @phase("o_epilogue")
       def owner_epilogue(acc):
         """x_mid = r + the o product into r and (bf16) xb, the sums of its
         squares into ss; then barrier 0."""
@@ -224,7 +205,7 @@ def layer_seam_gpu(attn, stream, r, xb, ss, qkv, layer, *, dims: SeamDims, has_n
         w_lo, w_hi = w_smem.at[:, pl.ds(0, BLOCK)], w_smem.at[:, pl.ds(BLOCK, BLOCK)]
 
         @pl.when(s < n_o)
-        @_phase("o")
+        @phase("o")
         def _o():
           @pl.when(s == 0)
           def _():
@@ -240,7 +221,7 @@ def layer_seam_gpu(attn, stream, r, xb, ss, qkv, layer, *, dims: SeamDims, has_n
         in_mlp = (s >= n_o) & (s < n_o + n_m)
 
         @pl.when(in_mlp & (t == 0))
-        @_phase("mlp_start")
+        @phase("mlp_start")
         def _mlp_start():
           plgpu.semaphore_wait(sems.at[0], n_own, decrement=False, memory_scope="gpu")
           for k in range(k_tiles):
@@ -251,14 +232,14 @@ def layer_seam_gpu(attn, stream, r, xb, ss, qkv, layer, *, dims: SeamDims, has_n
           plgpu.barrier_wait(x_bar)
 
         @pl.when(in_mlp & (t < gu_steps))
-        @_phase("gate_up")
+        @phase("gate_up")
         def _gate_up():
           plgpu.wgmma(acc_a, tile(t), w_lo)
           plgpu.wgmma(acc_b, tile(t), w_hi)
           plgpu.wgmma_wait(2)
 
         @pl.when(in_mlp & (t == gu_steps - 1))
-        @_phase("swiglu")
+        @phase("swiglu")
         def _swiglu():
           plgpu.wgmma_wait(0)
           plgpu.barrier_wait(stage_bar)
@@ -280,7 +261,7 @@ def layer_seam_gpu(attn, stream, r, xb, ss, qkv, layer, *, dims: SeamDims, has_n
                                     reduction_op="add")
 
         @pl.when(in_mlp & (t >= gu_steps))
-        @_phase("down")
+        @phase("down")
         def _down():
           def halves(acc_lo, acc_hi):
             plgpu.wgmma(acc_lo, h_smem, w_lo)
@@ -298,7 +279,7 @@ def layer_seam_gpu(attn, stream, r, xb, ss, qkv, layer, *, dims: SeamDims, has_n
 
         if has_next:
           @pl.when(s == n_o + n_m)
-          @_phase("qkv")
+          @phase("qkv")
           def _qkv():
             plgpu.semaphore_wait(sems.at[1], n_mlp, decrement=False, memory_scope="gpu")
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -324,7 +305,7 @@ def layer_seam_gpu(attn, stream, r, xb, ss, qkv, layer, *, dims: SeamDims, has_n
       pipeline = plgpu.emit_pipeline_warp_specialized(
           step, grid=(n_o + n_m + n_q,), memory_registers=40,
           in_specs=[plgpu.BlockSpec((BLOCK, COLS), lambda s: (block_of(s), 0),
-                                    transforms=_transforms(COLS, 2), delay_release=1)],
+                                    transforms=tiled(COLS, 2), delay_release=1)],
           wg_axis="wg", num_compute_wgs=1, max_concurrent_steps=stages,
           compute_context=compute_context)
       pipeline(w_gmem)
@@ -332,9 +313,9 @@ def layer_seam_gpu(attn, stream, r, xb, ss, qkv, layer, *, dims: SeamDims, has_n
     pl.run_scoped(
         scope,
         plgpu.SMEM((activation_rows(dims, mp), BLOCK), dtype,
-                   transforms=_transforms(BLOCK, 2)),  # attn or xb, whole
-        plgpu.SMEM((ROWS, BLOCK), dtype, transforms=_transforms(BLOCK, 2)),  # h
-        plgpu.SMEM((2, ROWS, BLOCK), jnp.float32, transforms=_transforms(BLOCK, 4)),
+                   transforms=tiled(BLOCK, 2)),  # attn or xb, whole
+        plgpu.SMEM((ROWS, BLOCK), dtype, transforms=tiled(BLOCK, 2)),  # h
+        plgpu.SMEM((2, ROWS, BLOCK), jnp.float32, transforms=tiled(BLOCK, 4)),
         plgpu.Barrier(num_arrivals=dims.a // BLOCK),
         plgpu.Barrier(num_arrivals=k_tiles),
         plgpu.Barrier(num_arrivals=1),
@@ -342,8 +323,7 @@ def layer_seam_gpu(attn, stream, r, xb, ss, qkv, layer, *, dims: SeamDims, has_n
 
   mesh = plgpu.Mesh(grid=(programs,), grid_names=("p",), num_threads=2, thread_name="wg")
   # a program's compute warpgroup enters ~33 regions (one per step, two more)
-  profile = dict(profile_space=64, profile_dir=profile_dir) if profile_dir else {}
-  params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup, **profile)
+  params = compiler_params(profile_dir, regions=64)
   refs = [jax.new_ref(v) for v in (r, xb, ss, qkv)]
   layer = jnp.asarray(layer, jnp.int32).reshape(1)
   pl.kernel(body, out_type=(), mesh=mesh, compiler_params=params)(layer, attn, stream, *refs)

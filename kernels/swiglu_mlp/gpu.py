@@ -54,6 +54,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from kernels.mosaic_common import compiler_params, phase, tiled
 from kernels.swiglu_mlp.reference import BLOCK, TILE_COLS
 
 ROWS = 64  # WGMMA's row operand per warpgroup
@@ -70,13 +71,6 @@ def interpret_params():
   if params is None:
     from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams as params
   return params()
-
-
-def _transforms(cols: int, itemsize: int):
-  """TMA / WGMMA tiling and swizzle of a shared-memory tile whose rows hold
-  `cols` elements."""
-  swizzle = plgpu.find_swizzle(cols * itemsize * 8)
-  return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
 
 
 def smem_bytes(*, itemsize: int, stages: int) -> int:
@@ -105,9 +99,9 @@ def _prefetch_to_l2(refs, p, programs: int):
       plgpu.async_prefetch(ref.at[pl.ds(start, box)])
 
 
-@functools.partial(jax.jit, static_argnames=("stages", "interpret"))
+@functools.partial(jax.jit, static_argnames=("stages", "interpret", "profile_dir"))
 def swiglu_mlp_gpu(x, w_stream, residual, prefetch=(), *, stages: int = STAGES,
-                   interpret: bool = False):
+                   interpret: bool = False, profile_dir: str = ""):
   """See ``reference.py`` for the contract; ``ops.swiglu_mlp`` checks the
   shapes and pads the rows to a multiple of 8. Returns [M, D] f32.
 
@@ -116,7 +110,11 @@ def swiglu_mlp_gpu(x, w_stream, residual, prefetch=(), *, stages: int = STAGES,
   which read them after this one find them there (not in interpret mode,
   which has no prefetches). They are hints: no value depends on them. They
   go out before the program's own loads (results/h200/README.md, "The next
-  layer's weights in L2")."""
+  layer's weights in L2").
+
+  `profile_dir`: where each call writes a trace of the compute warpgroups'
+  regions "gate_up", "swiglu" and "down" (Mosaic GPU's in-kernel profiler;
+  not in interpret mode); empty: no profiling."""
   m, d = x.shape
   programs = w_stream.shape[0]
   itemsize = jnp.dtype(x.dtype).itemsize
@@ -151,6 +149,7 @@ def swiglu_mlp_gpu(x, w_stream, residual, prefetch=(), *, stages: int = STAGES,
         s = idx[0]
 
         @pl.when(s < gate_up_steps)
+        @phase("gate_up")
         def _gate_up():
           plgpu.wgmma(acc_gate, x_smem, w_smem.at[:, pl.ds(0, BLOCK)])
           plgpu.wgmma(acc_up, x_smem, w_smem.at[:, pl.ds(BLOCK, BLOCK)])
@@ -159,6 +158,7 @@ def swiglu_mlp_gpu(x, w_stream, residual, prefetch=(), *, stages: int = STAGES,
           plgpu.wgmma_wait(2)
 
         @pl.when(s == gate_up_steps - 1)
+        @phase("swiglu")
         def _swiglu():
           plgpu.wgmma_wait(0)
           gate = acc_gate[...]
@@ -166,6 +166,7 @@ def swiglu_mlp_gpu(x, w_stream, residual, prefetch=(), *, stages: int = STAGES,
           plgpu.commit_smem()
 
         @pl.when(s >= gate_up_steps)
+        @phase("down")
         def _down():
           first = down_tile(s) * TILE_COLS
 
@@ -190,23 +191,24 @@ def swiglu_mlp_gpu(x, w_stream, residual, prefetch=(), *, stages: int = STAGES,
           step, grid=(steps,), memory_registers=40,
           in_specs=[plgpu.BlockSpec((ROWS, BLOCK),
                                     lambda s: (0, jnp.minimum(s, gate_up_steps - 1)),
-                                    transforms=_transforms(BLOCK, itemsize), delay_release=1),
+                                    transforms=tiled(BLOCK, itemsize), delay_release=1),
                     plgpu.BlockSpec((BLOCK, TILE_COLS),
                                     lambda s: (jnp.where(s < gate_up_steps, s,
                                                          gate_up_steps + down_tile(s)), 0),
-                                    transforms=_transforms(BLOCK, itemsize), delay_release=1)],
+                                    transforms=tiled(BLOCK, itemsize), delay_release=1)],
           wg_axis="wg", num_compute_wgs=1, max_concurrent_steps=stages,
           compute_context=compute_context)
       pipeline(x_gmem, w_gmem.at[p])
 
     pl.run_scoped(
         scope,
-        plgpu.SMEM((ROWS, BLOCK), x.dtype, transforms=_transforms(BLOCK, itemsize)),
-        plgpu.SMEM((2, ROWS, BLOCK), jnp.float32, transforms=_transforms(BLOCK, 4)),
+        plgpu.SMEM((ROWS, BLOCK), x.dtype, transforms=tiled(BLOCK, itemsize)),
+        plgpu.SMEM((2, ROWS, BLOCK), jnp.float32, transforms=tiled(BLOCK, 4)),
         collective_axes="wg")
 
   mesh = dict(grid=(programs,), grid_names=("p",), num_threads=2, thread_name="wg")
-  params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup)
+  # a program's compute warpgroup enters one region per step and the SwiGLU's
+  params = compiler_params("" if interpret else profile_dir, regions=64)
   if interpret:  # the x rows past M as explicit zeros, and per-program partials
     x = jnp.pad(x, ((0, ROWS - m), (0, 0)))
     partials = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((programs, m, d), jnp.float32),

@@ -39,17 +39,13 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kernels import common
+from kernels.mosaic_common import tiled
 
 ROWS = 64  # WGMMA's row operand: the G * T query rows, padded
 BLOCK_ROWS = 64  # the block's k/v tiles and the sink tiles (see the docstring)
 NEW_ROWS = 8  # the new k/v rows passed in, T of them real (T <= MAX_T)
 WINDOW_TILE = 128
 MAX_T = 8
-
-
-def _tiled(cols: int, itemsize: int = 2):
-  swizzle = plgpu.find_swizzle(cols * itemsize * 8)
-  return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
 
 
 def pack_window_inputs(qkv, cos, sin):
@@ -296,7 +292,7 @@ def window_attention_rows_gpu(blocks, k_cache, v_cache, lengths, *, g: int, t: i
           o_tot, l_tot, m_tot = o_tot * a + o_j * c, l_tot * a + l_j * c, m_new
         store(o_tot / l_tot)
 
-    rows_d = dict(transforms=_tiled(d))  # tiles whose rows hold d elements
+    rows_d = dict(transforms=tiled(d))  # tiles whose rows hold d elements
     pl.run_scoped(
         scope,
         plgpu.SMEM((ROWS, d), dtype, **rows_d),  # q
@@ -306,12 +302,12 @@ def window_attention_rows_gpu(blocks, k_cache, v_cache, lengths, *, g: int, t: i
         plgpu.SMEM((BLOCK_ROWS, d), dtype, **rows_d),  # sink v
         [plgpu.SMEM((WINDOW_TILE, d), dtype, **rows_d) for _ in range(mine)],
         [plgpu.SMEM((WINDOW_TILE, d), dtype, **rows_d) for _ in range(mine)],
-        plgpu.SMEM((ROWS, BLOCK_ROWS), dtype, transforms=_tiled(BLOCK_ROWS)),  # p: block, sink
-        plgpu.SMEM((ROWS, WINDOW_TILE), dtype, transforms=_tiled(WINDOW_TILE)),  # p: a window tile
+        plgpu.SMEM((ROWS, BLOCK_ROWS), dtype, transforms=tiled(BLOCK_ROWS)),  # p: block, sink
+        plgpu.SMEM((ROWS, WINDOW_TILE), dtype, transforms=tiled(WINDOW_TILE)),  # p: a window tile
         plgpu.SMEM((ROWS, d), dtype),  # output rows, untiled: T-row stores
         plgpu.SMEM((2, 8, d), dtype),  # the new k/v rows, untiled: T-row cache writes
         # a partial: o, m | l; unused at one split
-        plgpu.SMEM((2, ROWS, d) if splits > 1 else (1, 8, d), f32, transforms=_tiled(d, 4)),
+        plgpu.SMEM((2, ROWS, d) if splits > 1 else (1, 8, d), f32, transforms=tiled(d, 4)),
         plgpu.Barrier(num_arrivals=1),  # q
         plgpu.Barrier(num_arrivals=2 + 2 * bool(ns)),  # block, sink (program 0)
         plgpu.Barrier(num_arrivals=2, num_barriers=mine),  # window tiles

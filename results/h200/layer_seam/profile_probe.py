@@ -2,7 +2,9 @@
 Mosaic GPU's in-kernel profiler (`layer_seam_gpu(profile_dir=...)`: each
 compute warpgroup's named regions "o", "o_epilogue", "mlp_start" (the wait
 at barrier 0 and the load of the normed rows), "gate_up", "swiglu", "down",
-"qkv" (the wait at barrier 1, then the product)). Not part of the package.
+"qkv" (the wait at barrier 1, then the product)), and the same for the
+default draft's MLP kernel (`swiglu_mlp_gpu`: "gate_up", "swiglu",
+"down"). Not part of the package.
 
 At the 0.5B draft's shapes (D 896, A 896, F 4864, Nq 1152), Mp rows: the
 call timed unprofiled (wall clock of 200 queued calls, fastest of 3, after
@@ -30,6 +32,8 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", ".."))
 from kernels.layer_seam.gpu import layer_seam_gpu, programs_needed  # noqa: E402
 from kernels.layer_seam.reference import SeamDims, seam_layout  # noqa: E402
+from kernels.swiglu_mlp.gpu import swiglu_mlp_gpu  # noqa: E402
+from kernels.swiglu_mlp.reference import stream_layout  # noqa: E402
 
 QWEN_05B = SeamDims(d=896, a=896, f=4864, nq=1152)
 
@@ -92,6 +96,25 @@ def summarise(trace_path: str) -> dict:
   return out
 
 
+def profile(name: str, call, inputs, out_dir: str) -> dict:
+  """`call(*inputs, profile_dir=...)` timed unprofiled, then profiled once:
+  its regions summarised and the two results compared."""
+  plain = jax.jit(call)
+  us = timed_us(plain, inputs)
+  want = jax.block_until_ready(plain(*inputs))
+  trace_dir = os.path.join(out_dir, f"trace_{name}")
+  os.makedirs(trace_dir, exist_ok=True)
+  got = jax.block_until_ready(jax.jit(functools.partial(call, profile_dir=trace_dir))(*inputs))
+  diff = max(float(jnp.max(jnp.abs(g.astype(jnp.float32) - w.astype(jnp.float32))))
+             for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)))
+  traces = sorted(glob.glob(os.path.join(trace_dir, "*trace.json")))
+  rec = dict(kernel=name, us_per_call=us, profiled_max_abs_diff=diff, traces=len(traces))
+  if traces:
+    rec["regions"] = summarise(traces[-1])
+  print(json.dumps(rec), flush=True)
+  return rec
+
+
 def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--out", default=".")
@@ -101,24 +124,16 @@ def main():
   result = dict(device=jax.devices()[0].device_kind, jax=jax.__version__, dims=vars(dims),
                 runs=[])
   for mp in [int(m) for m in args.rows.split(",")]:
-    inputs = operands(dims, mp)
     call = functools.partial(layer_seam_gpu, dims=dims, has_next=True, eps=1e-6,
                              programs=programs_needed(dims))
-    plain = jax.jit(call)
-    us = timed_us(plain, inputs)
-    want = jax.block_until_ready(plain(*inputs))
-    trace_dir = os.path.join(args.out, f"trace_mp{mp}")
-    os.makedirs(trace_dir, exist_ok=True)
-    profiled = jax.jit(functools.partial(call, profile_dir=trace_dir))
-    got = jax.block_until_ready(profiled(*inputs))
-    diff = max(float(jnp.max(jnp.abs(g.astype(jnp.float32) - w.astype(jnp.float32))))
-               for g, w in zip(got, want))
-    traces = sorted(glob.glob(os.path.join(trace_dir, "*trace.json")))
-    rec = dict(rows=mp, us_per_call=us, profiled_max_abs_diff=diff, traces=len(traces))
-    if traces:
-      rec["regions"] = summarise(traces[-1])
-    result["runs"].append(rec)
-    print(json.dumps(rec), flush=True)
+    result["runs"].append(profile(f"layer_seam_mp{mp}", call, operands(dims, mp), args.out))
+  keys = jax.random.split(jax.random.key(1), 4)
+  x = jax.random.normal(keys[0], (16, dims.d), jnp.float32).astype(jnp.bfloat16)
+  gate_up = (jax.random.normal(keys[1], (dims.d, 2 * dims.f)) / np.sqrt(dims.d)).astype(x.dtype)
+  down = (jax.random.normal(keys[2], (dims.f, dims.d)) / np.sqrt(dims.f)).astype(x.dtype)
+  residual = jax.random.normal(keys[3], (16, dims.d), jnp.float32).astype(x.dtype)
+  result["runs"].append(profile("swiglu_mlp_m16", swiglu_mlp_gpu,
+                                (x, stream_layout(gate_up, down), residual), args.out))
   with open(os.path.join(args.out, "profile_probe.json"), "w") as f:
     json.dump(result, f, indent=1)
 
