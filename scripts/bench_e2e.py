@@ -167,12 +167,18 @@ def price_all(records, taus, tau_path):
       r.update(tau=1.0, tau_source="vanilla")
     else:
       pol = POLICY[method]
-      t = taus.get((pol, r["gamma"], r["budget"] if pol != "full" else 0))
+      key = (pol, r["gamma"], r["budget"] if pol != "full" else 0)
+      # every method but sd_full runs a streaming draft cache: its own tau where measured
+      draft_kv = "full" if method == "sd_full" else "streaming"
+      t = taus.get(key + (draft_kv,)) or taus.get(key + ("full",))
       source = (f"{tau_path}: real pair qwen2.5-coder-1.5b + 0.5b, context {t.get('context')}, "
                 f"{t.get('source', '')}" if t else "not measured")
-      if t and method != "sd_full":
+      if t and t.get("draft_kv", "full") != draft_kv:
         source += ("; measured with a full-cache draft (this method's streaming draft cache "
                    "was not used for tau)")
+      elif t and draft_kv == "streaming":
+        source += (f"; measured with a streaming draft cache ({t.get('draft_sink')} sink + "
+                   f"{t.get('draft_window')} recent rows)")
       r.update(tau=t["tau"] if t else None, tau_source=source)
     tau, step, gpu = r["tau"], r["step_ms"], r.get("gpu_ms")
     v_step, v_gpu = v.get("step_ms"), v.get("gpu_ms")
@@ -274,7 +280,8 @@ def main(_):
   taus, tau_path = {}, FLAGS.tau_json  # (policy, gamma, budget) -> tau record
   if tau_path and os.path.exists(tau_path):
     with open(tau_path) as f:
-      taus = {(r["policy"], int(r["gamma"]), int(r.get("budget") or 0)): r for r in json.load(f)}
+      taus = {(r["policy"], int(r["gamma"]), int(r.get("budget") or 0),
+               r.get("draft_kv", "full")): r for r in json.load(f)}
   contexts = [48, 96] if FLAGS.smoke else sorted(int(x) for x in FLAGS.contexts)
   mesh = sharding.make_mesh(1, FLAGS.mesh_model) if FLAGS.mesh_model > 1 else None
   records = []

@@ -1,8 +1,10 @@
 r"""Long-context evaluation of the selection policies on a target/draft pair.
 
   # the tau table (results/eval/tau.json, read by scripts/bench_e2e.py):
-  # budget 512, gamma 2/4/6, one 4k context
+  # budget 512, gamma 2/4/6, one 4k context; then with the streaming draft
+  # cache the benchmarks' fast step runs
   python -m scripts.eval_longctx --only_tau --policies=full,dustin,streaming,quest
+  python -m scripts.eval_longctx --only_tau --policies=dustin --draft_kv=streaming
 
   # the main evaluation (results/eval/longctx.json + README.md + PNG)
   python -m scripts.eval_longctx --contexts=4096,8192 --budgets=512
@@ -53,6 +55,11 @@ flags.DEFINE_list("policies", ["full", "dustin", "dustin_target", "dustin_draft"
 flags.DEFINE_list("budgets", ["512"], "KV budgets")
 flags.DEFINE_list("contexts", ["4096"], "context lengths in tokens")
 flags.DEFINE_list("gammas", ["2", "4", "6"], "gammas of --only_tau")
+flags.DEFINE_enum("draft_kv", "full", ["full", "streaming"], "the draft's cache in --only_tau: "
+                  "full, or streaming (--draft_sink first and --draft_window last rows, "
+                  "as the benchmarks' fast step runs it)")
+flags.DEFINE_integer("draft_sink", 16, "sink rows of a streaming draft cache")
+flags.DEFINE_integer("draft_window", 496, "recent rows of a streaming draft cache")
 flags.DEFINE_integer("gamma", 4, "gamma of the main evaluation")
 flags.DEFINE_list("tasks", ["passkey", "needle", "multikey", "qa", "code"],
                   "tasks of dustin_jax/eval/tasks.py ('' for none)")
@@ -148,25 +155,32 @@ def run_tau(pair):
   print(f"prefill of {len(prompts)} x {ctx} tokens (both models): {base.prefill_s:.1f} s",
         flush=True)
   records = load_records(FLAGS.tau_out)
-  done = {(r["policy"], r["gamma"], r["budget"], r["context"], r["model"]) for r in records}
+  done = {(r["policy"], r["gamma"], r["budget"], r["context"], r["model"],
+           r.get("draft_kv", "full")) for r in records}
   source = (f"{FLAGS.text} char offsets {offsets}, {ctx}-token contexts, {FLAGS.max_new} "
             f"greedy tokens each, batch {len(prompts)}, no EOS stop")
+  streaming = FLAGS.draft_kv == "streaming"
+  draft = dict(draft_kv=FLAGS.draft_kv)
+  if streaming:
+    draft.update(draft_sink=FLAGS.draft_sink, draft_window=FLAGS.draft_window)
   for name in FLAGS.policies:
     b = 0 if name == "full" else budget
     heads = f"; heads: {srh or 'default (not profiled)'}" if name.startswith("dustin") else ""
     for gamma in gammas:
-      if (name, gamma, b, ctx, pair.model_name) in done:
+      if (name, gamma, b, ctx, pair.model_name, FLAGS.draft_kv) in done:
         continue
       t1 = time.perf_counter()
       s = run_policy(pair, base, make_policy(name, budget, pair, srh), gamma=gamma,
-                     max_new_tokens=FLAGS.max_new, progress=FLAGS.progress).stats
+                     max_new_tokens=FLAGS.max_new, progress=FLAGS.progress,
+                     draft_window=((FLAGS.draft_sink, FLAGS.draft_window) if streaming
+                                   else None)).stats
       records.append(dict(
           policy=name, gamma=gamma, budget=b, tau=s.tau, acceptance=s.acceptance_rate,
           n_steps=s.seq_steps, context=ctx, model=pair.model_name, source=source + heads,
-          decode_s=round(time.perf_counter() - t1, 2)))
+          decode_s=round(time.perf_counter() - t1, 2), **draft))
       write_json(FLAGS.tau_out, records)
-      print(f"{name:14s} gamma={gamma} budget={b}: tau={s.tau:.3f} acc={s.acceptance_rate:.3f} "
-            f"({time.perf_counter() - t1:.1f} s)", flush=True)
+      print(f"{name:14s} gamma={gamma} budget={b} draft {FLAGS.draft_kv}: tau={s.tau:.3f} "
+            f"acc={s.acceptance_rate:.3f} ({time.perf_counter() - t1:.1f} s)", flush=True)
   print(f"tau table: {time.perf_counter() - t0:.1f} s -> {FLAGS.tau_out}", flush=True)
 
 

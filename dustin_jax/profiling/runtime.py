@@ -272,15 +272,19 @@ class RunResult:
 
 def run_policy(pair: Pair, base: Base, policy, *, gamma: int, max_new_tokens: int,
                eos_ids: tuple[int, ...] = (), measure_arr: bool = False, verify: str = "sparse",
-               seed: int = 0, on_step: Callable | None = None,
-               progress: bool = False) -> RunResult:
+               seed: int = 0, on_step: Callable | None = None, progress: bool = False,
+               draft_window: tuple[int, int] | None = None) -> RunResult:
   """Greedy speculative decoding of `base`'s prompts under `policy`.
 
   measure_arr: the ARR of the policy's set at every step (one extra
   full-cache target pass per step). verify: "sparse" (the policy's own
   verification) or "full" (the lossless trajectory). `on_step(state, out)`
-  after each step (`decode_loop`)."""
-  cfg = SpecConfig(gamma=gamma, eos_ids=tuple(eos_ids), policy=policy)
+  after each step (`decode_loop`). draft_window: (sink, window) rows the
+  draft attends to (a streaming draft cache, as the fast step runs it);
+  None: its whole cache."""
+  streaming = {} if draft_window is None else dict(
+      draft_kv="streaming", draft_sink=draft_window[0], draft_window=draft_window[1])
+  cfg = SpecConfig(gamma=gamma, eos_ids=tuple(eos_ids), policy=policy, **streaming)
   options = StepOptions(verify=verify, measure_arr=measure_arr)
   b = len(base.prompts)
   stats = DecodeStats(gamma=gamma, prompt_tokens=sum(len(p) - 1 for p in base.prompts),
