@@ -168,9 +168,13 @@ def price_all(records, taus, tau_path):
     else:
       pol = POLICY[method]
       key = (pol, r["gamma"], r["budget"] if pol != "full" else 0)
-      # every method but sd_full runs a streaming draft cache: its own tau where measured
-      draft_kv = "full" if method == "sd_full" else "streaming"
-      t = taus.get(key + (draft_kv,)) or taus.get(key + ("full",))
+      # every method but sd_full runs a streaming draft cache (SpecConfig's sink and
+      # window): the tau measured with that cache where there is one
+      spec = SpecConfig()
+      draft = (("full", None, None) if method == "sd_full"
+               else ("streaming", spec.draft_sink, spec.draft_window))
+      t = taus.get(key + draft) or taus.get(key + ("full", None, None))
+      draft_kv = draft[0]
       source = (f"{tau_path}: real pair qwen2.5-coder-1.5b + 0.5b, context {t.get('context')}, "
                 f"{t.get('source', '')}" if t else "not measured")
       if t and t.get("draft_kv", "full") != draft_kv:
@@ -281,7 +285,8 @@ def main(_):
   if tau_path and os.path.exists(tau_path):
     with open(tau_path) as f:
       taus = {(r["policy"], int(r["gamma"]), int(r.get("budget") or 0),
-               r.get("draft_kv", "full")): r for r in json.load(f)}
+               r.get("draft_kv", "full"), r.get("draft_sink"), r.get("draft_window")): r
+              for r in json.load(f)}
   contexts = [48, 96] if FLAGS.smoke else sorted(int(x) for x in FLAGS.contexts)
   mesh = sharding.make_mesh(1, FLAGS.mesh_model) if FLAGS.mesh_model > 1 else None
   records = []

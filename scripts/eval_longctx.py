@@ -155,19 +155,21 @@ def run_tau(pair):
   print(f"prefill of {len(prompts)} x {ctx} tokens (both models): {base.prefill_s:.1f} s",
         flush=True)
   records = load_records(FLAGS.tau_out)
-  done = {(r["policy"], r["gamma"], r["budget"], r["context"], r["model"],
-           r.get("draft_kv", "full")) for r in records}
+  draft_of = lambda r: (r.get("draft_kv", "full"), r.get("draft_sink"), r.get("draft_window"))  # noqa: E731
+  done = {(r["policy"], r["gamma"], r["budget"], r["context"], r["model"]) + draft_of(r)
+          for r in records}
   source = (f"{FLAGS.text} char offsets {offsets}, {ctx}-token contexts, {FLAGS.max_new} "
             f"greedy tokens each, batch {len(prompts)}, no EOS stop")
   streaming = FLAGS.draft_kv == "streaming"
   draft = dict(draft_kv=FLAGS.draft_kv)
   if streaming:
     draft.update(draft_sink=FLAGS.draft_sink, draft_window=FLAGS.draft_window)
+  this_draft = draft_of(draft)
   for name in FLAGS.policies:
     b = 0 if name == "full" else budget
     heads = f"; heads: {srh or 'default (not profiled)'}" if name.startswith("dustin") else ""
     for gamma in gammas:
-      if (name, gamma, b, ctx, pair.model_name, FLAGS.draft_kv) in done:
+      if (name, gamma, b, ctx, pair.model_name) + this_draft in done:
         continue
       t1 = time.perf_counter()
       s = run_policy(pair, base, make_policy(name, budget, pair, srh), gamma=gamma,

@@ -15,7 +15,9 @@ def test_bench_e2e_smoke_schema(tmp_path):
                               "source": "test", "context": 64},
                              {"policy": "dustin", "gamma": 2, "budget": 32, "tau": 2.0},
                              {"policy": "dustin", "gamma": 2, "budget": 32, "tau": 1.75,
-                              "draft_kv": "streaming", "draft_sink": 4, "draft_window": 8}]))
+                              "draft_kv": "streaming", "draft_sink": 16, "draft_window": 496},
+                             {"policy": "dustin", "gamma": 2, "budget": 32, "tau": 1.5,
+                              "draft_kv": "streaming", "draft_sink": 16, "draft_window": 2032}]))
   # --repeats=2: step_ms is a slope between queues of 2 and 6 steps, each
   # tiny CPU step well under a millisecond: one step's queue is within the noise
   argv = [sys.executable, "-m", "scripts.bench_e2e", "--smoke", "--models=tiny", f"--out_dir={tmp_path}", "--batches=2",
@@ -39,9 +41,9 @@ def test_bench_e2e_smoke_schema(tmp_path):
   ablation = next(r for r in recs if r["method"] == "dustin_draft")
   assert ablation["budget"] == 32 and ablation["tau"] is None
   assert ablation["tau_source"] == "not measured" and ablation["floor_bytes"]["estimate"] > 0
-  # dustin runs a streaming draft cache: the tau measured with one, not the full-cache draft's
+  # dustin runs a streaming draft cache of 16 + 496 rows: the tau measured with that one
   ours = next(r for r in recs if r["method"] == "dustin")
-  assert ours["tau"] == 1.75 and "streaming draft cache (4 sink + 8" in ours["tau_source"]
+  assert ours["tau"] == 1.75 and "streaming draft cache (16 sink + 496" in ours["tau_source"]
   van = next(r for r in recs if r["method"] == "vanilla" and r["context"] == sd["context"])
   assert sd["speedup_vs_vanilla"] == pytest.approx(2.5 * van["step_ms"] / sd["step_ms"])
   assert sd["tokens_per_s"] == pytest.approx(2 * 2.5 / (sd["step_ms"] / 1e3))

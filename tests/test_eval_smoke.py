@@ -72,6 +72,19 @@ def test_eval_longctx_only_tau_schema(tmp_path):
   assert all(TAU_KEYS <= set(r) for r in records)
   assert {r["budget"] for r in records if r["policy"] == "full"} == {0}
   assert all(1.0 <= r["tau"] <= r["gamma"] + 1 for r in records)
+  assert {r["draft_kv"] for r in records} == {"full"}
+  # the streaming draft cache the fast step runs: a record of its own beside the full one's
+  streaming = ["scripts.eval_longctx", "--pair=tiny", "--only_tau", "--contexts=128",
+               "--budgets=32", "--gammas=3", "--n_prompts=2", "--max_new=6", f"--tau_out={path}",
+               "--noprogress", "--policies=dustin", "--draft_kv=streaming", "--draft_sink=4",
+               "--draft_window=16"]
+  run(*streaming)
+  run(*streaming)  # resumable: nothing added
+  again = json.loads(path.read_text())
+  assert len(again) == 4 and again[:3] == records
+  assert again[3]["draft_kv"] == "streaming" and again[3]["policy"] == "dustin"
+  assert (again[3]["draft_sink"], again[3]["draft_window"]) == (4, 16)
+  assert 1.0 <= again[3]["tau"] <= 4
 
 
 def test_profile_srh_tiny_writes_a_loadable_srh_file(tmp_path):
