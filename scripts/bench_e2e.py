@@ -81,6 +81,8 @@ flags.DEFINE_integer("repeats", 10, "steps per short queue (step_ms: the slope t
                      "of 3x as many) and per sync / GPU-time measurement")
 flags.DEFINE_integer("num_layers", 0, "keep only this many layers of both models (smoke runs)")
 flags.DEFINE_string("tau_json", "results/eval/tau.json", "tau per (policy, gamma, budget)")
+flags.DEFINE_integer("tau_context", 4096, "the context whose tau records price the runs (the "
+                     "real pair's tau is measured on the CPU at a few thousand tokens)")
 flags.DEFINE_float("time_budget_s", 540, "stop starting new configs after this long")
 flags.DEFINE_list("draft_mlps", ["auto"], "the draft's MLPs, each timed per speculative "
                   "method: auto | xla (its GEMMs) | kernel (kernels.swiglu_mlp, Hopper) | "
@@ -286,7 +288,7 @@ def main(_):
     with open(tau_path) as f:
       taus = {(r["policy"], int(r["gamma"]), int(r.get("budget") or 0),
                r.get("draft_kv", "full"), r.get("draft_sink"), r.get("draft_window")): r
-              for r in json.load(f)}
+              for r in json.load(f) if r.get("context", FLAGS.tau_context) == FLAGS.tau_context}
   contexts = [48, 96] if FLAGS.smoke else sorted(int(x) for x in FLAGS.contexts)
   mesh = sharding.make_mesh(1, FLAGS.mesh_model) if FLAGS.mesh_model > 1 else None
   records = []

@@ -22,7 +22,7 @@ def test_bench_e2e_smoke_schema(tmp_path):
   # tiny CPU step well under a millisecond: one step's queue is within the noise
   argv = [sys.executable, "-m", "scripts.bench_e2e", "--smoke", "--models=tiny", f"--out_dir={tmp_path}", "--batches=2",
           "--gammas=2", "--repeats=2", "--budget=32", "--n_sink=4", "--n_window=8", "--m=8", f"--tau_json={tau}",
-          "--methods=vanilla,sd_full,dustin,dustin_draft"]
+          "--tau_context=64", "--methods=vanilla,sd_full,dustin,dustin_draft"]
   p = subprocess.run(argv, capture_output=True, text=True, timeout=600)
   assert p.returncode == 0, p.stderr[-2000:]
   recs = json.loads((tmp_path / "e2e.json").read_text())
