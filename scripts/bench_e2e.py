@@ -31,8 +31,9 @@ Caches hold random rows; lengths start at the context and grow by the
 committed tokens. The methods of one (model, batch, gamma) share one cache
 sized for the longest context, read only up to `lengths` (vanilla_xla reads it
 whole: it runs only at the longest context). Tokens/s = tau / step time, tau
-the mean accepted length of the real pair (`--tau_json`, from
-scripts/eval_longctx.py), named in each record; speedups are against the
+the mean accepted length of the real pair with the draft cache the method
+runs (`--tau_json` at `--tau_context`, from scripts/eval_longctx.py), named
+in each record; speedups are against the
 vanilla step of the same (model, batch, gamma, context) in this process.
 """
 
