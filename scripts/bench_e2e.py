@@ -60,7 +60,8 @@ from scripts.benchmarking import (DeviceTimer, benchmark_pairs, compile_cache_fr
                                   floor_bytes, floor_time, fresh_decode_state, graph_mode,
                                   phase_device_ms, pyplot, queued_steps, random_cache,
                                   random_model, save_figure, spec_state_at,
-                                  steady_step_count, steady_step_seconds, write_json)
+                                  steady_step_count, steady_step_seconds, tau_draft_cache,
+                                  write_json)
 
 flags.DEFINE_string("out_dir", "results/h200", "where e2e.json and e2e.png go")
 flags.DEFINE_string("json_name", "e2e.json", "the JSON's file name in out_dir (the PNG's: "
@@ -164,6 +165,9 @@ def price_all(records, taus, tau_path):
   that keeps up would see of a host-bound step."""
   where = lambda r: (r["model"], r["batch"], r["gamma"], r["context"])
   vanilla = {where(r): r for r in records if r["method"] == "vanilla" and r.get("step_ms")}
+  # every method but sd_full runs a streaming draft cache of SpecConfig's sink and window
+  spec, full_draft = SpecConfig(), ("full", None, None)
+  streaming_draft = ("streaming", spec.draft_sink, spec.draft_window)
   for r in (r for r in records if r.get("step_ms")):
     method, v = r["method"], vanilla.get(where(r), {})
     if method.startswith("vanilla"):
@@ -171,19 +175,15 @@ def price_all(records, taus, tau_path):
     else:
       pol = POLICY[method]
       key = (pol, r["gamma"], r["budget"] if pol != "full" else 0)
-      # every method but sd_full runs a streaming draft cache (SpecConfig's sink and
-      # window): the tau measured with that cache where there is one
-      spec = SpecConfig()
-      draft = (("full", None, None) if method == "sd_full"
-               else ("streaming", spec.draft_sink, spec.draft_window))
-      t = taus.get(key + draft) or taus.get(key + ("full", None, None))
-      draft_kv = draft[0]
+      draft = full_draft if method == "sd_full" else streaming_draft
+      # the tau measured with this method's draft cache, else the full-cache draft's
+      t = taus.get(key + draft) or taus.get(key + full_draft)
       source = (f"{tau_path}: real pair qwen2.5-coder-1.5b + 0.5b, context {t.get('context')}, "
                 f"{t.get('source', '')}" if t else "not measured")
-      if t and t.get("draft_kv", "full") != draft_kv:
+      if t and tau_draft_cache(t) != draft:
         source += ("; measured with a full-cache draft (this method's streaming draft cache "
                    "was not used for tau)")
-      elif t and draft_kv == "streaming":
+      elif t and draft == streaming_draft:
         source += (f"; measured with a streaming draft cache ({t.get('draft_sink')} sink + "
                    f"{t.get('draft_window')} recent rows)")
       r.update(tau=t["tau"] if t else None, tau_source=source)
@@ -284,11 +284,11 @@ def main(_):
   compile_cache_from_flag()
   deadline = time.perf_counter() + FLAGS.time_budget_s
   out_json = os.path.join(FLAGS.out_dir, FLAGS.json_name)
-  taus, tau_path = {}, FLAGS.tau_json  # (policy, gamma, budget) -> tau record
+  # (policy, gamma, budget, draft cache) -> tau record
+  taus, tau_path = {}, FLAGS.tau_json
   if tau_path and os.path.exists(tau_path):
     with open(tau_path) as f:
-      taus = {(r["policy"], int(r["gamma"]), int(r.get("budget") or 0),
-               r.get("draft_kv", "full"), r.get("draft_sink"), r.get("draft_window")): r
+      taus = {(r["policy"], int(r["gamma"]), int(r.get("budget") or 0)) + tau_draft_cache(r): r
               for r in json.load(f) if r.get("context", FLAGS.tau_context) == FLAGS.tau_context}
   contexts = [48, 96] if FLAGS.smoke else sorted(int(x) for x in FLAGS.contexts)
   mesh = sharding.make_mesh(1, FLAGS.mesh_model) if FLAGS.mesh_model > 1 else None

@@ -214,6 +214,13 @@ def steady_step_seconds(step, carry, n: int, pairs: int = STEADY_PAIRS):
                      queued=short / n, host=min(host) / (3 * n), resolved=resolved)
 
 
+def tau_draft_cache(record: dict) -> tuple:
+  """The draft cache a tau record was measured with: ("full", None, None)
+  or ("streaming", sink rows, recent rows); records without the fields are
+  a full-cache draft's."""
+  return (record.get("draft_kv", "full"), record.get("draft_sink"), record.get("draft_window"))
+
+
 def write_json(path: str, obj) -> None:
   """`obj` as indented JSON at `path`, its directory made first; written
   beside it and renamed over it, so a killed run leaves the last whole file."""

@@ -43,7 +43,8 @@ from dustin_jax.profiling.runtime import (QWEN_EOS, load_pair, prefill_base, rel
                                           run_policy, sparse_ppl, text_prompt)
 from dustin_jax.selection.policies import policy_from_config
 from dustin_jax.selection.srh import load_srh
-from scripts.benchmarking import compile_cache_from_flag, pyplot, save_figure, write_json
+from scripts.benchmarking import (compile_cache_from_flag, pyplot, save_figure,
+                                  tau_draft_cache, write_json)
 
 FLAGS = flags.FLAGS
 flags.DEFINE_enum("pair", "real", ["real", "tiny"], "real: the offline Qwen2.5-Coder "
@@ -155,27 +156,25 @@ def run_tau(pair):
   print(f"prefill of {len(prompts)} x {ctx} tokens (both models): {base.prefill_s:.1f} s",
         flush=True)
   records = load_records(FLAGS.tau_out)
-  draft_of = lambda r: (r.get("draft_kv", "full"), r.get("draft_sink"), r.get("draft_window"))  # noqa: E731
-  done = {(r["policy"], r["gamma"], r["budget"], r["context"], r["model"]) + draft_of(r)
+  done = {(r["policy"], r["gamma"], r["budget"], r["context"], r["model"]) + tau_draft_cache(r)
           for r in records}
   source = (f"{FLAGS.text} char offsets {offsets}, {ctx}-token contexts, {FLAGS.max_new} "
             f"greedy tokens each, batch {len(prompts)}, no EOS stop")
-  streaming = FLAGS.draft_kv == "streaming"
+  window = ((FLAGS.draft_sink, FLAGS.draft_window) if FLAGS.draft_kv == "streaming"
+            else None)
   draft = dict(draft_kv=FLAGS.draft_kv)
-  if streaming:
-    draft.update(draft_sink=FLAGS.draft_sink, draft_window=FLAGS.draft_window)
-  this_draft = draft_of(draft)
+  if window:
+    draft.update(draft_sink=window[0], draft_window=window[1])
   for name in FLAGS.policies:
     b = 0 if name == "full" else budget
     heads = f"; heads: {srh or 'default (not profiled)'}" if name.startswith("dustin") else ""
     for gamma in gammas:
-      if (name, gamma, b, ctx, pair.model_name) + this_draft in done:
+      if (name, gamma, b, ctx, pair.model_name) + tau_draft_cache(draft) in done:
         continue
       t1 = time.perf_counter()
       s = run_policy(pair, base, make_policy(name, budget, pair, srh), gamma=gamma,
                      max_new_tokens=FLAGS.max_new, progress=FLAGS.progress,
-                     draft_window=((FLAGS.draft_sink, FLAGS.draft_window) if streaming
-                                   else None)).stats
+                     draft_window=window).stats
       records.append(dict(
           policy=name, gamma=gamma, budget=b, tau=s.tau, acceptance=s.acceptance_rate,
           n_steps=s.seq_steps, context=ctx, model=pair.model_name, source=source + heads,
