@@ -91,6 +91,9 @@ flags.DEFINE_list("draft_mlps", ["auto"], "the draft's MLPs, each timed per spec
                   "kernel_prefetch (the kernel, sending the next layer's q/k/v and o to "
                   "L2; auto: wherever it runs, as the CLI) | seam | seam_mosaic (see "
                   "dustin_jax.decoding.resolve_draft_mlp)")
+flags.DEFINE_list("draft_windows", [str(SpecConfig().draft_window)], "recent rows of the "
+                  "streaming draft cache (after its sink rows), each timed per method that "
+                  "streams its draft and priced with the tau measured at that window")
 flags.DEFINE_bool("smoke", False, "tiny shapes on CPU (schema test)")
 flags.DEFINE_string("xla_flags", "", "appended to XLA_FLAGS before jax starts (e.g. "
                     "--xla_gpu_enable_command_buffer=... to try CUDA graphs)")
@@ -166,8 +169,7 @@ def price_all(records, taus, tau_path):
   where = lambda r: (r["model"], r["batch"], r["gamma"], r["context"])
   vanilla = {where(r): r for r in records if r["method"] == "vanilla" and r.get("step_ms")}
   # every method but sd_full runs a streaming draft cache of SpecConfig's sink and window
-  spec, full_draft = SpecConfig(), ("full", None, None)
-  streaming_draft = ("streaming", spec.draft_sink, spec.draft_window)
+  full_draft = ("full", None, None)
   for r in (r for r in records if r.get("step_ms")):
     method, v = r["method"], vanilla.get(where(r), {})
     if method.startswith("vanilla"):
@@ -175,7 +177,8 @@ def price_all(records, taus, tau_path):
     else:
       pol = POLICY[method]
       key = (pol, r["gamma"], r["budget"] if pol != "full" else 0)
-      draft = full_draft if method == "sd_full" else streaming_draft
+      streaming = method != "sd_full"
+      draft = ("streaming", r["draft_sink"], r["draft_window"]) if streaming else full_draft
       # the tau measured with this method's draft cache, else the full-cache draft's
       t = taus.get(key + draft) or taus.get(key + full_draft)
       source = (f"{tau_path}: real pair qwen2.5-coder-1.5b + 0.5b, context {t.get('context')}, "
@@ -183,7 +186,7 @@ def price_all(records, taus, tau_path):
       if t and tau_draft_cache(t) != draft:
         source += ("; measured with a full-cache draft (this method's streaming draft cache "
                    "was not used for tau)")
-      elif t and draft == streaming_draft:
+      elif t and streaming:
         source += (f"; measured with a streaming draft cache ({t.get('draft_sink')} sink + "
                    f"{t.get('draft_window')} recent rows)")
       r.update(tau=t["tau"] if t else None, tau_source=source)
@@ -240,13 +243,16 @@ def bench_model(name, contexts, mesh, deadline, records, save):
           policy = policy_from_config(dict(policy=POLICY[method], budget=FLAGS.budget,
                                            n_sink=FLAGS.n_sink, n_window=FLAGS.n_window,
                                            m=FLAGS.m), tcfg, dcfg)
-        runs = [(c, None) for c in contexts] if method.startswith("vanilla") else [
-            (c, mode) for c in contexts for mode in drafts]
-        for context, draft_mlp in runs:
+        windows = [None] if method == "sd_full" else [int(w) for w in FLAGS.draft_windows]
+        runs = [(c, None, None) for c in contexts] if method.startswith("vanilla") else [
+            (c, mode, w) for c in contexts for mode in drafts for w in windows]
+        for context, draft_mlp, window in runs:
           if method == "vanilla_xla" and context != max_ctx:
             continue  # XLA reads the whole buffer: only fair where context fills it
           rec = dict(method=method, model=name, batch=batch, context=context, gamma=gamma,
                      budget=FLAGS.budget if method in SPARSE else None, draft_mlp=draft_mlp,
+                     draft_sink=SpecConfig().draft_sink if window is not None else None,
+                     draft_window=window,
                      target_layers=tcfg.num_layers, device=jax.devices()[0].device_kind,
                      devices=len(tcache.k[0].sharding.device_set),  # the cache's, as placed
                      jax_version=jax.__version__, xla_flags=os.environ.get("XLA_FLAGS", ""))
@@ -256,13 +262,17 @@ def bench_model(name, contexts, mesh, deadline, records, save):
               times, tcache = bench_vanilla(target, tcache, context, impl, FLAGS.repeats, mesh)
             else:
               cfg = SpecConfig(gamma=gamma, policy=policy, mesh=mesh,
-                               draft_kv="full" if method == "sd_full" else "streaming")
+                               draft_kv="full" if method == "sd_full" else "streaming",
+                               draft_window=window if window is not None else
+                               SpecConfig().draft_window)
               times, tcache, dcache = bench_spec(target, drafts[draft_mlp], tcache, dcache,
                                                  context, cfg,
                                                  FLAGS.repeats, str(batch) in FLAGS.phase_batches)
             rec.update(times)
             rec["floor_bytes"] = floor_bytes(method, tcfg, dcfg, batch, context, gamma,
-                                             FLAGS.budget, policy, ways=FLAGS.mesh_model)
+                                             FLAGS.budget, policy, ways=FLAGS.mesh_model,
+                                             draft_rows=cfg.draft_sink + cfg.draft_window
+                                             if window is not None else None)
             floor_time(rec)
           except Exception as e:  # noqa: BLE001 -- record and go on: one bad config
             rec["error"] = f"{type(e).__name__}: {e}"[:500]
@@ -271,7 +281,8 @@ def bench_model(name, contexts, mesh, deadline, records, save):
           records.append(rec)
           save()
           print(json.dumps({k: rec.get(k) for k in ("method", "model", "batch", "context",
-                            "gamma", "step_ms", "phase_ms", "speedup_vs_vanilla", "error")}),
+                            "gamma", "draft_window", "step_ms", "phase_ms", "speedup_vs_vanilla",
+                            "error")}),
                 flush=True)
       del tcache, dcache  # before the next (batch, gamma) makes its own
   return True

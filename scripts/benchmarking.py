@@ -302,21 +302,23 @@ def spec_state_at(tcache, dcache, context: int, policy, mesh=None):
                    fresh_decode_state(b, mesh), signals)
 
 
-def floor_bytes(method, tcfg, dcfg, batch, context, gamma, budget, policy, ways=1):
+def floor_bytes(method, tcfg, dcfg, batch, context, gamma, budget, policy, ways=1,
+                draft_rows=None):
   """The fewest HBM bytes one device must move in a step: weights once per
   forward, the KV rows each forward attends to, the SRH keys the estimation
   scores (once per step: the draft's gamma queries are scored in one call).
   The target's weights and KV are split `ways` ways (tensor parallel); the
-  draft runs whole on every device."""
+  draft runs whole on every device. `draft_rows`: the streaming draft
+  cache's sink + window rows (default SpecConfig's)."""
   def weights(c):
     return c.num_params() * 2
   def kv(c, rows):
     return c.kv_bytes_per_token(2) * rows * batch
   if method.startswith("vanilla"):
     return {"verify": (weights(tcfg) + kv(tcfg, context)) // ways}
-  defaults = SpecConfig()  # the benchmarks' streaming draft cache: sink + window rows
-  streaming = defaults.draft_sink + defaults.draft_window
-  draft_rows = context if method == "sd_full" else min(context, streaming)
+  if draft_rows is None:
+    draft_rows = SpecConfig().draft_sink + SpecConfig().draft_window
+  draft_rows = context if method == "sd_full" else min(context, draft_rows)
   out = {"draft": gamma * (weights(dcfg) + kv(dcfg, draft_rows))}
   rows = context if method.startswith("sd_") else budget
   out["verify"] = (weights(tcfg) + kv(tcfg, rows + gamma + 1)) // ways

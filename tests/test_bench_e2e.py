@@ -22,7 +22,8 @@ def test_bench_e2e_smoke_schema(tmp_path):
   # tiny CPU step well under a millisecond: one step's queue is within the noise
   argv = [sys.executable, "-m", "scripts.bench_e2e", "--smoke", "--models=tiny", f"--out_dir={tmp_path}", "--batches=2",
           "--gammas=2", "--repeats=2", "--budget=32", "--n_sink=4", "--n_window=8", "--m=8", f"--tau_json={tau}",
-          "--tau_context=64", "--methods=vanilla,sd_full,dustin,dustin_draft"]
+          "--tau_context=64", "--methods=vanilla,sd_full,dustin,dustin_draft",
+          "--draft_windows=496,2032"]
   p = subprocess.run(argv, capture_output=True, text=True, timeout=600)
   assert p.returncode == 0, p.stderr[-2000:]
   recs = json.loads((tmp_path / "e2e.json").read_text())
@@ -41,9 +42,13 @@ def test_bench_e2e_smoke_schema(tmp_path):
   ablation = next(r for r in recs if r["method"] == "dustin_draft")
   assert ablation["budget"] == 32 and ablation["tau"] is None
   assert ablation["tau_source"] == "not measured" and ablation["floor_bytes"]["estimate"] > 0
-  # dustin runs a streaming draft cache of 16 + 496 rows: the tau measured with that one
-  ours = next(r for r in recs if r["method"] == "dustin")
-  assert ours["tau"] == 1.75 and "streaming draft cache (16 sink + 496" in ours["tau_source"]
+  # dustin runs a streaming draft cache of 16 + each window's rows: the tau
+  # measured with that one prices it; sd_full's draft cache is whole
+  for window, tau in ((496, 1.75), (2032, 1.5)):
+    ours = [r for r in recs if r["method"] == "dustin" and r["draft_window"] == window]
+    assert len(ours) == 2 and all(r["tau"] == tau and r["draft_sink"] == 16 for r in ours)
+    assert f"streaming draft cache (16 sink + {window}" in ours[0]["tau_source"]
+  assert sd["draft_window"] is None and len([r for r in recs if r["method"] == "sd_full"]) == 2
   van = next(r for r in recs if r["method"] == "vanilla" and r["context"] == sd["context"])
   assert sd["speedup_vs_vanilla"] == pytest.approx(2.5 * van["step_ms"] / sd["step_ms"])
   assert sd["tokens_per_s"] == pytest.approx(2 * 2.5 / (sd["step_ms"] / 1e3))
@@ -99,6 +104,11 @@ def test_floor_bytes_hand_computed():
   assert dus["draft"] == gamma * (dw + dkv * 512 * b)
   assert dus["verify"] == tw + tkv * (budget + gamma + 1) * b
   assert dus["estimate"] == 2 * b * ctx * (3 * 64 + 2 * 128)
+  # a longer streaming draft window: its rows, never more than the context
+  assert floor_bytes("dustin", t, d, b, ctx, gamma, budget, policy,
+                     draft_rows=2048)["draft"] == gamma * (dw + dkv * 2048 * b)
+  assert floor_bytes("dustin", t, d, b, 1000, gamma, budget, policy,
+                     draft_rows=2048)["draft"] == gamma * (dw + dkv * 1000 * b)
 
 
 def test_floor_time_at_the_devices_copy_bandwidth():

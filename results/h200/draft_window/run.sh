@@ -1,0 +1,24 @@
+#!/bin/bash
+# One device call (~9 min): the dustin step with streaming draft caches of
+# 16 sink + 496 / 1008 / 2032 recent rows against vanilla, one process per
+# (context, batch), each priced with the tau measured at its own window;
+# $OUT receives the JSON files and logs.
+# Expects the ml_collections wheel under .whl/ (the device has no network).
+cd "$(dirname "$0")/../../.."
+export PYTHONPATH=$PWD XLA_PYTHON_CLIENT_MEM_FRACTION=0.94  # an H100 holds 32k x 16 only so
+R=$OUT; mkdir -p "$R"
+python3 -m pip install -q --no-deps --no-index .whl/ml_collections-*.whl > /dev/null 2>&1
+nvidia-smi --query-gpu=name,memory.total,clocks.max.memory --format=csv > "$R/gpu.txt" 2>&1
+python3 -c "import jax; print(jax.__version__, jax.devices())" >> "$R/gpu.txt" 2>&1
+bench() {  # name timeout args...
+  local name=$1 limit=$2; shift 2
+  timeout "$limit" python3 -m scripts.bench_e2e --models=qwen7b --methods=vanilla,dustin \
+    --phase_batches=16 --time_budget_s=$((limit - 40)) --out_dir="$R" \
+    --json_name="$name.json" "$@" > "$R/$name.log" 2>&1
+}
+bench w_c32k16 250 --contexts=32768 --batches=16 --gammas=4,6 --repeats=8 \
+  --draft_windows=496,1008,2032
+bench w_c128k8 120 --contexts=131072 --batches=8 --gammas=4 --repeats=6 --draft_windows=496,2032
+bench w_c8k16 75 --contexts=8192 --batches=16 --gammas=4 --repeats=6 --draft_windows=496,2032
+bench w_c32k1 75 --contexts=32768 --batches=1 --gammas=4 --repeats=6 --draft_windows=496,2032
+grep -h '^{' "$R"/w_*.log | cut -c1-300
