@@ -1,7 +1,7 @@
 #!/bin/bash
-# One device call (~9 min): the dustin step with streaming draft caches of
-# 16 sink + 496 / 1008 / 2032 recent rows against vanilla, one process per
-# (context, batch), each priced with the tau measured at its own window;
+# One device call (~9 min; `run.sh grid` or `run.sh long`): the dustin step
+# with streaming draft caches of 16 sink + 496 / 1008 / 2032 recent rows
+# against vanilla, one process per (context, batch), each priced with the tau measured at its own window;
 # $OUT receives the JSON files and logs.
 # Expects the ml_collections wheel under .whl/ (the device has no network).
 cd "$(dirname "$0")/../../.."
@@ -16,9 +16,20 @@ bench() {  # name timeout args...
     --phase_batches=16 --time_budget_s=$((limit - 40)) --out_dir="$R" \
     --json_name="$name.json" "$@" > "$R/$name.log" 2>&1
 }
-bench w_c32k16 250 --contexts=32768 --batches=16 --gammas=4,6 --repeats=8 \
-  --draft_windows=496,1008,2032
-bench w_c128k8 120 --contexts=131072 --batches=8 --gammas=4 --repeats=6 --draft_windows=496,2032
-bench w_c8k16 75 --contexts=8192 --batches=16 --gammas=4 --repeats=6 --draft_windows=496,2032
-bench w_c32k1 75 --contexts=32768 --batches=1 --gammas=4 --repeats=6 --draft_windows=496,2032
+case "${1:-grid}" in
+  grid)  # batch 16 at 32k (gamma 4; gamma 6 at the longest window), 8k; batch 8 and 1 at 32k
+    bench w_c32k16 200 --contexts=32768 --batches=16 --gammas=4 --repeats=8 \
+      --draft_windows=496,1008,2032
+    bench w_c32k16g6 90 --contexts=32768 --batches=16 --gammas=6 --repeats=8 --draft_windows=2032
+    bench w_c8k16 90 --contexts=8192 --batches=16 --gammas=4 --repeats=6 --draft_windows=496,2032
+    bench w_c32k8 90 --contexts=32768 --batches=8 --gammas=4 --repeats=6 --draft_windows=496,2032
+    bench w_c32k1 80 --contexts=32768 --batches=1 --gammas=4 --repeats=6 --draft_windows=496,2032
+    ;;
+  long)  # 128k x 8 needs ~114 GiB: an H200
+    bench w_c128k8 300 --contexts=131072 --batches=8 --gammas=4,6 --repeats=6 \
+      --draft_windows=496,2032
+    ;;
+esac
 grep -h '^{' "$R"/w_*.log | cut -c1-300
+# at most 8 files come back: the JSONs, logs and plots as one archive
+(cd "$R" && tar czf "draft_window_${1:-grid}.tgz" w_* gpu.txt && rm -f w_* gpu.txt)
