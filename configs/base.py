@@ -42,7 +42,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.top_p = 1.0
   c.draft_kv = "full"             # full | streaming (MagicDec: sink + window)
   c.draft_sink = 16
-  c.draft_window = 496
+  c.draft_window = 2032
   c.draft_mlp = "auto"            # the draft's MLPs: auto | xla | kernel (one kernel per layer
                                   # pass, Hopper, one device) | kernel_prefetch (the kernel,
                                   # sending the next layer's q/k/v and o to L2) | seam

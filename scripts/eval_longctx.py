@@ -43,6 +43,7 @@ from dustin_jax.profiling.runtime import (QWEN_EOS, load_pair, prefill_base, rel
                                           run_policy, sparse_ppl, text_prompt)
 from dustin_jax.selection.policies import policy_from_config
 from dustin_jax.selection.srh import load_srh
+from dustin_jax.speculative.step import SpecConfig
 from scripts.benchmarking import (compile_cache_from_flag, pyplot, save_figure,
                                   tau_draft_cache, write_json)
 
@@ -59,8 +60,8 @@ flags.DEFINE_list("gammas", ["2", "4", "6"], "gammas of --only_tau")
 flags.DEFINE_enum("draft_kv", "full", ["full", "streaming"], "the draft's cache in --only_tau: "
                   "full, or streaming (--draft_sink first and --draft_window last rows, "
                   "as the benchmarks' fast step runs it)")
-flags.DEFINE_integer("draft_sink", 16, "sink rows of a streaming draft cache")
-flags.DEFINE_integer("draft_window", 496, "recent rows of a streaming draft cache")
+flags.DEFINE_integer("draft_sink", SpecConfig().draft_sink, "sink rows of a streaming draft cache")
+flags.DEFINE_integer("draft_window", SpecConfig().draft_window, "recent rows of a streaming draft cache")
 flags.DEFINE_integer("gamma", 4, "gamma of the main evaluation")
 flags.DEFINE_list("tasks", ["passkey", "needle", "multikey", "qa", "code"],
                   "tasks of dustin_jax/eval/tasks.py ('' for none)")

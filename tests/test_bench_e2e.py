@@ -97,16 +97,16 @@ def test_floor_bytes_hand_computed():
   full = floor_bytes("sd_full", t, d, b, ctx, gamma, budget, None, ways=2)
   assert full == {"draft": gamma * (dw + dkv * ctx * b),
                   "verify": (tw + tkv * (ctx + gamma + 1) * b) // 2}
-  # dustin: a 512-row streaming draft cache, the budget's rows, the SRH keys once
+  # dustin: SpecConfig's 2048-row streaming draft cache, the budget's rows, the SRH keys once
   policy = types.SimpleNamespace(draft_heads=[(3, 0), (3, 13), (5, 2)],  # KV heads 0, 1 of 3; 0 of 5
                                  target_heads=[(7, 1), (7, 27)])  # KV heads 0, 3 of layer 7
   dus = floor_bytes("dustin", t, d, b, ctx, gamma, budget, policy)
-  assert dus["draft"] == gamma * (dw + dkv * 512 * b)
+  assert dus["draft"] == gamma * (dw + dkv * 2048 * b)
   assert dus["verify"] == tw + tkv * (budget + gamma + 1) * b
   assert dus["estimate"] == 2 * b * ctx * (3 * 64 + 2 * 128)
-  # a longer streaming draft window: its rows, never more than the context
+  # another streaming draft window: its rows, never more than the context
   assert floor_bytes("dustin", t, d, b, ctx, gamma, budget, policy,
-                     draft_rows=2048)["draft"] == gamma * (dw + dkv * 2048 * b)
+                     draft_rows=512)["draft"] == gamma * (dw + dkv * 512 * b)
   assert floor_bytes("dustin", t, d, b, 1000, gamma, budget, policy,
                      draft_rows=2048)["draft"] == gamma * (dw + dkv * 1000 * b)
 

@@ -49,7 +49,7 @@ class SpecConfig:
   policy: Policy = FullCache()
   draft_kv: str = "full"          # "streaming": MagicDec-style sink + window
   draft_sink: int = 16
-  draft_window: int = 496
+  draft_window: int = 2032
   impl: str = "auto"              # attention kernels: auto | reference | gpu | tpu
   mesh: Mesh | None = None        # attention runs per device (the draft whole on
                                   # each: sharding.draft_mesh)

@@ -198,11 +198,12 @@ gpu_only = pytest.mark.skipif(not ON_GPU, reason="needs a GPU")
 @pytest.mark.parametrize("T", [1, 2])
 @pytest.mark.parametrize("Hq,Hkv", [(14, 2), (32, 8)])
 @pytest.mark.parametrize("splits", [1, None])  # one program per head; the default
-def test_gpu_kernel_compiled_draft_shapes(T, Hq, Hkv, splits):
-  # the draft models' layer shapes, the default 16 sink + 496 window rows
-  args = make_case(6, 4, T, Hq, Hkv, 2048, 64, [2000, 5, 300, 1000],
+@pytest.mark.parametrize("n_window", [496, 2032])  # SpecConfig's default: 2032
+def test_gpu_kernel_compiled_draft_shapes(T, Hq, Hkv, splits, n_window):
+  # the draft models' layer shapes, 16 sink rows
+  args = make_case(6, 4, T, Hq, Hkv, 4096, 64, [4000, 5, 300, 2100],
                    jnp.bfloat16)
-  got = ops.window_attention(*packed(args), n_sink=16, n_window=496,
+  got = ops.window_attention(*packed(args), n_sink=16, n_window=n_window,
                              splits=splits)
   assert_compiled_close(got, window_attention_reference(
-      *packed(args), n_sink=16, n_window=496))
+      *packed(args), n_sink=16, n_window=n_window))

@@ -1,5 +1,5 @@
 #!/bin/bash
-# One device call (~9 min; `run.sh grid` or `run.sh long`): the dustin step
+# One device call (~9 min; `run.sh grid` or `run.sh h200`): the dustin step
 # with streaming draft caches of 16 sink + 496 / 1008 / 2032 recent rows
 # against vanilla, one process per (context, batch), each priced with the tau measured at its own window;
 # $OUT receives the JSON files and logs.
@@ -25,9 +25,15 @@ case "${1:-grid}" in
     bench w_c32k8 90 --contexts=32768 --batches=8 --gammas=4 --repeats=6 --draft_windows=496,2032
     bench w_c32k1 80 --contexts=32768 --batches=1 --gammas=4 --repeats=6 --draft_windows=496,2032
     ;;
-  long)  # 128k x 8 needs ~114 GiB: an H200
-    bench w_c128k8 300 --contexts=131072 --batches=8 --gammas=4,6 --repeats=6 \
+  h200)  # the GPU checks of the 2032-row default, 128k x 8 (~114 GiB), 32k x 16, 8k x 16
+    timeout 110 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_window_attention.py \
+      tests/test_spec.py -k "compiled or greedy" > "$R/w_pytest.txt" 2>&1
+    echo "pytest rc=$?" >> "$R/w_pytest.txt"; tail -3 "$R/w_pytest.txt"
+    bench w_c128k8 160 --contexts=131072 --batches=8 --gammas=4 --repeats=6 \
       --draft_windows=496,2032
+    bench w_c32k16 130 --contexts=32768 --batches=16 --gammas=4 --repeats=8 \
+      --draft_windows=496,2032
+    bench w_c8k16 90 --contexts=8192 --batches=16 --gammas=4 --repeats=6 --draft_windows=496,2032
     ;;
 esac
 grep -h '^{' "$R"/w_*.log | cut -c1-300
