@@ -7,6 +7,8 @@ import functools
 import jax
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+SMEM_BYTES = 227 * 1024  # shared memory one program may take on Hopper
+
 
 def tiled(cols: int, itemsize: int = 2):
   """TMA / WGMMA tiling and swizzle of a shared-memory tile whose rows hold

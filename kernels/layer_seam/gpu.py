@@ -53,11 +53,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kernels.layer_seam.reference import BLOCK, COLS, SeamDims
-from kernels.mosaic_common import compiler_params, phase, tiled
+from kernels.mosaic_common import SMEM_BYTES, compiler_params, phase, tiled
 
 ROWS = 64  # WGMMA's row operand: the Mp rows and padding
 MAX_STAGES = 10  # weight blocks in flight per program, at most (what shared memory leaves)
-SMEM_BYTES = 227 * 1024
 
 
 def programs_needed(dims: SeamDims, has_next: bool = True) -> int:

@@ -54,12 +54,11 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from kernels.mosaic_common import compiler_params, phase, tiled
+from kernels.mosaic_common import SMEM_BYTES, compiler_params, phase, tiled
 from kernels.swiglu_mlp.reference import BLOCK, TILE_COLS
 
 ROWS = 64  # WGMMA's row operand per warpgroup
 STAGES = 6  # weight slots in flight (see the module docstring)
-SMEM_BYTES = 227 * 1024
 PREFETCH_COLS = 128  # a prefetched array is viewed as rows of this many elements
 PREFETCH_ROWS = 256  # rows per L2 prefetch (TMA's largest box side)
 

@@ -39,7 +39,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kernels import common
-from kernels.mosaic_common import tiled
+from kernels.mosaic_common import SMEM_BYTES, tiled
 
 ROWS = 64  # WGMMA's row operand: the G * T query rows, padded
 BLOCK_ROWS = 64  # the block's k/v tiles and the sink tiles (see the docstring)
@@ -73,21 +73,50 @@ def window_tiles(n_window: int) -> int:
   return common.cdiv(n_window + 7, WINDOW_TILE)
 
 
-def default_splits(batch: int, kv_heads: int, n_window: int, sms: int | None = None) -> int:
+def smem_bytes(d: int, mine: int, splits: int, itemsize: int = 2) -> int:
+  """Shared memory of a program that walks `mine` window tiles (the
+  kernel's scoped allocations; barriers aside)."""
+  tiles = (ROWS + 4 * BLOCK_ROWS + 2 * mine * WINDOW_TILE) * d  # q, block, sink, window k/v
+  tiles += ROWS * (BLOCK_ROWS + WINDOW_TILE)  # p of the block / sink and of a window tile
+  tiles += ROWS * d + 2 * NEW_ROWS * d  # output rows, new k/v rows
+  partial = (2 * ROWS * d if splits > 1 else NEW_ROWS * d) * 4  # f32
+  return tiles * itemsize + partial
+
+
+def program_fits(d: int, n_window: int, splits: int, itemsize: int = 2) -> bool:
+  """Whether a program's window tiles fit shared memory at `splits` (1 KB
+  left for barriers and alignment)."""
+  mine = common.cdiv(window_tiles(n_window), splits)
+  return smem_bytes(d, mine, splits, itemsize) <= SMEM_BYTES - 1024
+
+
+def default_splits(batch: int, kv_heads: int, n_window: int, d: int = 64,
+                   sms: int | None = None) -> int | None:
   """One window tile per program where the programs fit the SMs at once
-  (program 0 waits for the others), else one program per (b, h)."""
+  (program 0 waits for the others), else the fewest programs per (b, h)
+  whose tiles fit shared memory (more than one: all resident at once);
+  None where no split count does."""
   tiles = window_tiles(n_window)
   sms = sms or common.num_sms()
-  return tiles if batch * kv_heads * tiles <= sms else 1
+  if batch * kv_heads * tiles <= sms:
+    return tiles
+  for splits in range(1, tiles + 1):
+    if program_fits(d, n_window, splits) and (splits == 1 or batch * kv_heads * splits <= sms):
+      return splits
+  return None
 
 
 def fits(batch: int, t: int, kv_heads: int, group: int, head_dim: int, dtype, n_sink: int,
          n_window: int, cache_rows: int) -> bool:
-  """Whether the kernel takes these shapes (`check_args` says why not)."""
+  """Whether the kernel takes these shapes at its default splits
+  (`check_args` says why not)."""
+  splits = default_splits(batch, kv_heads, n_window, head_dim)
+  if splits is None:
+    return False
   try:
     check_args(jax.ShapeDtypeStruct((batch, t, kv_heads, group + 2, head_dim), dtype),
                jax.ShapeDtypeStruct((batch, kv_heads, cache_rows, head_dim), dtype),
-               n_sink, n_window, 1)
+               n_sink, n_window, splits)
   except ValueError:
     return False
   return True
@@ -113,6 +142,10 @@ def check_args(qkv, k_cache, n_sink: int, n_window: int, splits: int, sms: int |
                      f"{qkv.dtype}, {k_cache.dtype}")
   if not 1 <= splits <= window_tiles(n_window):
     raise ValueError(f"splits must be in [1, {window_tiles(n_window)}], got {splits}")
+  if not program_fits(d, n_window, splits, jnp.dtype(qkv.dtype).itemsize):
+    raise ValueError(f"splits={splits}: a program's {common.cdiv(window_tiles(n_window), splits)} "
+                     f"window tiles of {WINDOW_TILE} rows do not fit shared memory; "
+                     f"more splits or a shorter window")
   if splits > 1 and b * hkv * splits > (sms or common.num_sms()):
     raise ValueError(f"splits={splits}: {b * hkv * splits} programs must be resident at "
                      f"once (program 0 waits for the others); at most the SM count")

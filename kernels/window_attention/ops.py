@@ -67,7 +67,12 @@ def window_attention_rows(qkv, k_cache, v_cache, lengths, cos, sin, *, n_sink, n
   if impl == "mosaic":
     b, t, hkv, g2, _ = qkv.shape
     check_shapes(qkv, k_cache, v_cache, lengths, cos, sin, n_sink, n_window)
-    splits = splits or mosaic_gpu.default_splits(b, hkv, int(n_window))
+    splits = splits or mosaic_gpu.default_splits(b, hkv, int(n_window), qkv.shape[-1])
+    if splits is None:
+      raise ValueError(f"the Mosaic window kernel takes no split count at batch {b}, {hkv} KV "
+                       f"heads and a window of {n_window} rows: the window tiles of each "
+                       f"program must fit shared memory with all programs resident; use "
+                       f"impl='gpu'")
     mosaic_gpu.check_args(qkv, k_cache, int(n_sink), int(n_window), splits)
     blocks = mosaic_gpu.pack_window_inputs(qkv, cos, sin)
     return mosaic_gpu.window_attention_rows_gpu(blocks, k_cache, v_cache, lengths,

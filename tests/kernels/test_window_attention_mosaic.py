@@ -190,6 +190,22 @@ def test_default_splits_one_tile_a_program_while_the_programs_fit_the_sms():
                           sms=132)
 
 
+def test_splits_keep_each_programs_window_tiles_in_shared_memory():
+  # one program holds at most 4 tiles (the 496-row window), a split one 3
+  assert mosaic_gpu.program_fits(64, 496, 1) and not mosaic_gpu.program_fits(64, 632, 1)
+  assert mosaic_gpu.program_fits(64, 2032, 6) and not mosaic_gpu.program_fits(64, 2032, 5)
+  # 2032 rows: 17 tiles, 6 splits at least; 32 (b, h) x 6 exceed 132 SMs, 16 x 6 do not
+  assert mosaic_gpu.default_splits(16, 2, 2032, sms=132) is None
+  assert mosaic_gpu.default_splits(8, 2, 2032, sms=132) == 6
+  assert not mosaic_gpu.fits(16, 1, 2, 7, 64, jnp.bfloat16, 16, 2032, 32768)
+  with pytest.raises(ValueError, match="do not fit shared memory"):
+    mosaic_gpu.check_args(jax.ShapeDtypeStruct((1, 1, 2, 9, 64), jnp.bfloat16),
+                          jax.ShapeDtypeStruct((1, 2, 4096, 64), jnp.bfloat16), 16, 2032, 1)
+  args = make_case(0, 16, 1, 14, 2, 4096, 64, [3000] * 16, jnp.bfloat16)
+  with pytest.raises(ValueError, match="no split count"):
+    ops.window_attention_rows(*packed(args), n_sink=16, n_window=2032, impl="mosaic")
+
+
 # ---------------------------------------------------------------- Hopper GPU
 @pytest.mark.skipif(not common.is_hopper(), reason="needs a Hopper GPU (TMA, WGMMA)")
 @pytest.mark.parametrize("T", [1, 2])
