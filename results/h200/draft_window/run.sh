@@ -20,10 +20,10 @@ bench() {  # name timeout args...
 }
 bench w_c32k16 150 --contexts=32768 --batches=16 --gammas=4 --repeats=8 --draft_windows=496,2032
 if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
-  bench w_c128k8 160 --contexts=131072 --batches=8 --gammas=4 --repeats=6 --draft_windows=496,2032
+  bench w_c128k8 150 --contexts=131072 --batches=8 --gammas=4 --repeats=6 --draft_windows=496,2032
 else
-  bench w_c32k1 90 --contexts=32768 --batches=1 --gammas=4 --repeats=6 --draft_windows=496,2032
+  bench w_c32k1 80 --contexts=32768 --batches=1 --gammas=4 --repeats=6 --draft_windows=496,2032
 fi
-bench w_c8k16 90 --contexts=8192 --batches=16 --gammas=4 --repeats=6 --draft_windows=496,2032
+bench w_c8k16 80 --contexts=8192 --batches=16 --gammas=4 --repeats=6 --draft_windows=496,2032
 grep -h '^{' "$R"/w_*.log | cut -c1-400
 (cd "$R" && tar czf draft_window.tgz w_* gpu.txt && rm -f w_* gpu.txt)
