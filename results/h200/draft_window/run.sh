@@ -5,6 +5,7 @@
 # against vanilla, one process per (context, batch), each window priced with
 # the tau measured at its own window (results/eval/tau.json); $OUT receives
 # one archive of the JSON files and logs (at most 8 files come back).
+# `run.sh short`: without 8k x 16.
 # Expects the ml_collections wheel under .whl/ (the device has no network).
 cd "$(dirname "$0")/../../.."
 export PYTHONPATH=$PWD XLA_PYTHON_CLIENT_MEM_FRACTION=0.94  # 128k x 8 needs ~114 GiB
@@ -24,6 +25,6 @@ if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
 else
   bench w_c32k1 80 --contexts=32768 --batches=1 --gammas=4 --repeats=6 --draft_windows=496,2032
 fi
-bench w_c8k16 80 --contexts=8192 --batches=16 --gammas=4 --repeats=6 --draft_windows=496,2032
+[[ "${1:-}" == short ]] || bench w_c8k16 80 --contexts=8192 --batches=16 --gammas=4 --repeats=6 --draft_windows=496,2032
 grep -h '^{' "$R"/w_*.log | cut -c1-400
 (cd "$R" && tar czf draft_window.tgz w_* gpu.txt && rm -f w_* gpu.txt)
