@@ -11,7 +11,7 @@ cd "$(dirname "$0")/../../.."
 export PYTHONPATH=$PWD XLA_PYTHON_CLIENT_MEM_FRACTION=0.94  # 128k x 8 needs ~114 GiB
 R=$OUT
 python3 -m pip install -q --no-deps --no-index .whl/ml_collections-*.whl > /dev/null 2>&1
-nvidia-smi --query-gpu=name,memory.total --format=csv > $R/gpu.txt 2>&1
+nvidia-smi --query-gpu=name,memory.total --format=csv > "$R/gpu.txt" 2>&1
 python3 -c "import jax; print(jax.__version__, jax.devices())" >> "$R/gpu.txt" 2>&1
 bench() {  # name timeout args...
   local name=$1 limit=$2; shift 2
