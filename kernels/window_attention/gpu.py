@@ -237,11 +237,19 @@ def _kernel(len_ref, *refs, T, G, Hq, Hkv, M, TB, D, S, n_sink, NS, n_window,
             vn.astype(vc_out.dtype), mask=w_ok[:, None])
 
 
+# Programs per (sequence, KV head) at most: at 2032 window rows (16 tiles),
+# 8 programs of two tiles each beat 16 of one by 2-6 us per call at batch 1,
+# 8 and 16 on an H100 (results/h100/window_tuning): each program pays the q
+# loads and RoPE, and the merge reads every program's partial.
+MAX_SPLITS = 8
+
+
 def default_tuning(n_window):
-  """Window tiles of 128 rows (fewer when the window is shorter), each in its
-  own program, 4 warps, 3 stages, loads issued ahead."""
+  """Window tiles of 128 rows (fewer when the window is shorter), at most
+  MAX_SPLITS programs sharing them, 4 warps, 3 stages, loads issued ahead."""
   block_w = min(128, max(16, common.next_pow2(max(n_window, 1))))
-  return dict(block_w=block_w, splits=max(1, common.cdiv(n_window, block_w)),
+  return dict(block_w=block_w,
+              splits=max(1, min(MAX_SPLITS, common.cdiv(n_window, block_w))),
               num_warps=4, num_stages=3, prefetch=True)
 
 
