@@ -1,5 +1,5 @@
 #!/bin/bash
-# One device call (~8 min) on an H200, or an H100 (there 32k x 1 instead of
+# One device call (~9 min) on an H200, or an H100 (there 32k x 1 instead of
 # 128k x 8, which does not fit 80 GB): the dustin step with a
 # streaming draft cache of 16 sink + 496 and 16 sink + 2032 recent rows
 # against vanilla, one process per (context, batch), each window priced with
@@ -27,4 +27,9 @@ else
 fi
 [[ "${1:-}" == short ]] || bench w_c8k16 80 --contexts=8192 --batches=16 --gammas=4 --repeats=6 --draft_windows=496,2032
 grep -h '^{' "$R"/w_*.log | cut -c1-400
+# GPU checks: the window kernel at its default tuning against its reference,
+# greedy speculative decoding against greedy plain decoding.
+timeout 100 python3 -m pytest -q -x -p no:cacheprovider tests/kernels/test_window_attention.py \
+  tests/test_spec.py -k "compiled or greedy" > "$R/w_pytest.log" 2>&1
+tail -3 "$R/w_pytest.log"
 (cd "$R" && tar czf draft_window.tgz w_* gpu.txt && rm -f w_* gpu.txt)
