@@ -177,6 +177,25 @@ def test_gpu_kernel_interpret(case):
   check_caches(kc, vc, kc_ref, vc_ref, args, exact_k=dtype == jnp.bfloat16)
 
 
+def test_gpu_kernel_interpret_default_caps_programs_per_head():
+  # A window of more 128-row tiles than MAX_SPLITS: with the default
+  # tuning each program walks several tiles (L = 2200: 16 tiles over 8
+  # programs; L = 1000: 8 tiles, one each; L = 300: programs with none).
+  from kernels.window_attention.gpu import MAX_SPLITS, default_tuning
+  n_window = 2032
+  tuning = default_tuning(n_window)
+  assert tuning["splits"] == MAX_SPLITS
+  assert tuning["splits"] * tuning["block_w"] < n_window
+  args = make_case(7, 3, 1, 4, 1, 2304, 16, [2200, 1000, 300])
+  out, kc, vc = ops.window_attention(*packed(args), n_sink=16,
+                                     n_window=n_window, impl="gpu",
+                                     interpret=True)
+  ref, kc_ref, vc_ref = window_attention_reference(
+      *packed(args), n_sink=16, n_window=n_window)
+  assert rel_err(out, ref) < 1e-5
+  check_caches(kc, vc, kc_ref, vc_ref, args, exact_k=False)
+
+
 def test_gpu_kernel_interpret_under_jit_donated():
   # Traced lengths; the caches donated (aliased outputs may reuse them).
   args = make_case(5, 3, 2, 4, 2, 64, 16, [2, 11, 45])
