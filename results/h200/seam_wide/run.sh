@@ -1,0 +1,35 @@
+#!/bin/bash
+# One device call (~8 min on an H200): the dustin step with its draft's
+# first pass of each step (32 rows at batch 16) through the seam kernel
+# (draft_mlp "seam_wide") against the layer-by-layer default
+# ("kernel_prefetch"), each at 16 + 496 and 16 + 2032 window rows, vanilla
+# in the same process (32k x 16); then 128k x 8 on an H200 (32k x 1 on an
+# H100, where 128k x 8 does not fit); then the GPU checks. $OUT receives one
+# archive of the JSON files and logs.
+# Expects the ml_collections wheel under .whl/ (the device has no network).
+cd "$(dirname "$0")/../../.."
+export PYTHONPATH=$PWD XLA_PYTHON_CLIENT_MEM_FRACTION=0.94  # 128k x 8 needs ~114 GiB
+R=$OUT
+python3 -m pip install -q --no-deps --no-index .whl/ml_collections-*.whl > /dev/null 2>&1
+nvidia-smi --query-gpu=name,memory.total --format=csv > "$R/gpu.txt" 2>&1
+python3 -c "import jax; print(jax.__version__, jax.devices())" >> "$R/gpu.txt" 2>&1
+bench() {  # name timeout args...
+  local name=$1 limit=$2; shift 2
+  timeout "$limit" python3 -m scripts.bench_e2e --models=qwen7b --methods=vanilla,dustin \
+    --phase_batches=16 --time_budget_s=$((limit - 40)) --out_dir="$R" \
+    --json_name="$name.json" "$@" > "$R/$name.log" 2>&1
+}
+bench s_c32k16 200 --contexts=32768 --batches=16 --gammas=4 --repeats=8 \
+  --draft_windows=496,2032 --draft_mlps=kernel_prefetch,seam_wide
+if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
+  bench s_c128k8 150 --contexts=131072 --batches=8 --gammas=4 --repeats=6 --draft_windows=496,2032
+else
+  bench s_c32k1 80 --contexts=32768 --batches=1 --gammas=4 --repeats=6 --draft_windows=496,2032
+fi
+grep -h '^{' "$R"/s_*.log | cut -c1-300
+# GPU checks: the window kernel at its default tuning against its reference,
+# greedy speculative decoding against greedy plain decoding (seam drafts included).
+timeout 130 python3 -m pytest -q -x -p no:cacheprovider tests/kernels/test_window_attention.py \
+  tests/test_spec.py -k "compiled or greedy or seam" > "$R/s_pytest.log" 2>&1
+tail -3 "$R/s_pytest.log"
+(cd "$R" && tar czf seam_wide.tgz s_* gpu.txt && rm -f s_* gpu.txt)
