@@ -363,6 +363,7 @@ class Decoder(nnx.Module):
     self.prefetch_next_layer = False
     self.seam_stream = None  # every layer's o, MLP and q/k/v in one stream, after `fuse_seams()`
     self.seam_min_rows = 1  # passes of fewer rows (batch x tokens) run layer by layer
+    self.seam_rows = 8  # the seam kernel's rows: the pass's, padded to a multiple of this
     # the seam pass's attention kernel on a GPU: "triton" or "mosaic" (`window_impl`)
     self.window_kernel = "triton"
 
@@ -434,7 +435,7 @@ class Decoder(nnx.Module):
     cfg = self.cfg
     b, t = tokens.shape
     m = b * t
-    mp = round_up(m, 8)
+    mp = round_up(m, self.seam_rows)
     dtype = self.embed_tokens.dtype
     f32 = jnp.float32
     dims = self.seam_dims()

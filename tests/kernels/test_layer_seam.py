@@ -140,7 +140,7 @@ def test_fits_and_the_entry_points_checks():
 
 
 @pytest.mark.skipif(not ON_HOPPER, reason="the kernel compiles for Hopper GPUs only")
-@pytest.mark.parametrize("m,mp", [(16, 16), (5, 8), (32, 32), (64, 64)])
+@pytest.mark.parametrize("m,mp", [(16, 16), (5, 8), (32, 32), (16, 32), (64, 64)])
 def test_kernel_compiled_equals_reference_over_a_chain_of_layers(m, mp):
   """Three layers in a row at the 0.5B's shapes, the buffers threaded from
   call to call as the decoder does (ss must come back zero, q/k/v is zeroed
@@ -185,9 +185,12 @@ def _tiny_decoder(seed=3, head_dim=32):
   return cfg, model
 
 
-# the pass's attention: the Triton kernel (head_dim 32), the Mosaic one (64)
-@pytest.mark.parametrize("attention,head_dim", [("triton", 32), ("mosaic", 64)])
-def test_decoder_with_fused_seams_equals_the_decoder_on_a_streaming_window(attention, head_dim):
+# the pass's attention: the Triton kernel (head_dim 32), the Mosaic one (64);
+# the seam's rows padded to a multiple of 8 or of 32
+@pytest.mark.parametrize("attention,head_dim,seam_rows", [("triton", 32, 8), ("triton", 32, 32),
+                                                          ("mosaic", 64, 8)])
+def test_decoder_with_fused_seams_equals_the_decoder_on_a_streaming_window(attention, head_dim,
+                                                                          seam_rows):
   """`Decoder.fuse_seams` keeps a streaming draft's forward (its kernels on a
   Hopper GPU, the references elsewhere), the cache rows written and the
   tapped queries included; blocks of more than 64 rows run the layers."""
@@ -195,6 +198,7 @@ def test_decoder_with_fused_seams_equals_the_decoder_on_a_streaming_window(atten
   cfg, model = _tiny_decoder(head_dim=head_dim)
   fused = _tiny_decoder(head_dim=head_dim)[1]
   fused.fuse_seams(attention=attention)
+  fused.seam_rows = seam_rows
   assert fused.window_kernel == attention
   assert fused.seam_stream.shape == (2 * fused.seam_dims().blocks * 64, 128)
   cache = KVCache.init(cfg, batch=4, max_len=96)

@@ -6,7 +6,9 @@ six kernels between attentions), in one process. Not part of the package.
 
 Wall clock of 30 queued passes (`scripts.benchmarking.queued_steps`: jit,
 the cache donated and fed back so that its rows are written in place,
-warm-up excluded, fastest of 3). Variants: the seam kernel's weight slots (MAX_STAGES).
+warm-up excluded, fastest of 3). Variants: the seam kernel's weight slots
+(MAX_STAGES) and its rows, the pass's padded to a multiple of `--pad_rows`
+(`Decoder.seam_rows`).
 
 Usage (on the GPU): python results/h200/layer_seam/probe.py --out=$OUT
 """
@@ -52,6 +54,9 @@ def main():
   ap.add_argument("--batch", type=int, default=16)
   ap.add_argument("--context", type=int, default=4096)
   ap.add_argument("--stages", default="10,6,4")
+  ap.add_argument("--pad_rows", default="8", help="seam rows padded to multiples of each")
+  ap.add_argument("--tokens", default="1,2", help="tokens per sequence of each timed pass")
+  ap.add_argument("--mosaic", type=int, default=1, help="0: no seam_mosaic variant")
   args = ap.parse_args()
   cfg = ModelConfig.from_hf(dict(PAIRS["qwen7b"][1]), dtype="bfloat16")
   base = random_model(cfg, 1)
@@ -72,29 +77,36 @@ def main():
       return hidden, cache
     return fwd
 
+  def padded(model, rows):
+    from flax import nnx
+    module = nnx.merge(model.graphdef, model.state)
+    module.seam_rows = rows
+    return type(model)(model.cfg, *nnx.split(module))
+
+  pads = [int(p) for p in args.pad_rows.split(",")]
   outputs = {}
-  for t in (1, 2):
+  for t in (int(x) for x in args.tokens.split(",")):
     tokens = jax.random.randint(jax.random.key(t), (args.batch, t), 0, cfg.vocab_size)
     stages = [int(s) for s in args.stages.split(",")]
-    variants = ([("kernel_prefetch", None)]
-                + [("seam", s) for s in stages]
-                + [("seam_mosaic", stages[0])])
-    for mode, stages in variants:
+    variants = ([("kernel_prefetch", None, 8)]
+                + [("seam", s, pad) for s in stages for pad in pads]
+                + [("seam_mosaic", stages[0], 8)] * bool(args.mosaic))
+    for mode, stages, pad in variants:
       if stages is not None:
         seam_gpu.MAX_STAGES = stages
         jax.clear_caches()
-      model = models[mode]
+      model = models[mode] if pad == 8 else padded(models[mode], pad)
       fn = forward_fn(model)
       try:
         us, hidden, cache = timed(fn, model.state, tokens, cache)
       except Exception as e:  # a variant that fails is reported, not fatal
-        result["runs"].append(dict(mode=mode, stages=stages, rows=args.batch * t,
+        result["runs"].append(dict(mode=mode, stages=stages, pad_rows=pad, rows=args.batch * t,
                                    error=f"{type(e).__name__}: {str(e)[:1500]}"))
         print(mode, stages, "failed:", type(e).__name__, str(e)[:400], flush=True)
         continue
       out = np.asarray(hidden.astype(jnp.float32))
-      outputs[(mode, t)] = out
-      rec = dict(mode=mode, stages=stages, rows=args.batch * t, us_per_pass=us,
+      outputs.setdefault((mode, t), out)
+      rec = dict(mode=mode, stages=stages, pad_rows=pad, rows=args.batch * t, us_per_pass=us,
                  us_per_layer=us / cfg.num_layers)
       if mode != "kernel_prefetch":
         ref = outputs[("kernel_prefetch", t)]
