@@ -7,19 +7,9 @@
 # H100, where 128k x 8 does not fit); between them a one-pass probe of the
 # seam kernel with its rows padded from 16 to 32; then the GPU checks. $OUT receives one
 # archive of the JSON files and logs.
-# Expects the ml_collections wheel under .whl/ (the device has no network).
+# Expects the ml_collections wheel under .whl/ (see device_bench.sh).
 cd "$(dirname "$0")/../../.."
-export PYTHONPATH=$PWD XLA_PYTHON_CLIENT_MEM_FRACTION=0.94  # 128k x 8 needs ~114 GiB
-R=$OUT
-python3 -m pip install -q --no-deps --no-index .whl/ml_collections-*.whl > /dev/null 2>&1
-nvidia-smi --query-gpu=name,memory.total --format=csv > "$R/gpu.txt" 2>&1
-python3 -c "import jax; print(jax.__version__, jax.devices())" >> "$R/gpu.txt" 2>&1
-bench() {  # name timeout args...
-  local name=$1 limit=$2; shift 2
-  timeout "$limit" python3 -m scripts.bench_e2e --models=qwen7b --methods=vanilla,dustin \
-    --phase_batches=16 --time_budget_s=$((limit - 40)) --out_dir="$R" \
-    --json_name="$name.json" "$@" > "$R/$name.log" 2>&1
-}
+. results/h200/device_bench.sh
 bench s_c32k16 200 --contexts=32768 --batches=16 --gammas=4 --repeats=8 \
   --draft_windows=496,2032 --draft_mlps=kernel_prefetch,seam_wide
 # one 0.5B draft pass: the seam at 16 rows, padded to 32, against the default
