@@ -25,7 +25,9 @@ timeout 110 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_window_a
   tests/test_spec.py tests/kernels/test_layer_seam.py -k "compiled or greedy or seam" > "$R/s_pytest.log" 2>&1
 tail -3 "$R/s_pytest.log"
 pack
-if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
+if [[ "${1:-}" == short ]]; then
+  :  # `run.sh short`: stages 1-3 only
+elif nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
   bench s_c128k8 140 --contexts=131072 --batches=8 --gammas=4 --repeats=6 --draft_windows=496,2032
 else
   bench s_c32k1 80 --contexts=32768 --batches=1 --gammas=4 --repeats=6 --draft_windows=496,2032
