@@ -16,17 +16,17 @@ bench s_c32k16 200 --contexts=32768 --batches=16 --gammas=4 --repeats=8 \
   --draft_windows=496,2032 --draft_mlps=kernel_prefetch,seam_wide
 pack
 # one 0.5B draft pass: the seam at 16 rows, padded to 32, against the default
-timeout 100 python3 results/h200/layer_seam/probe.py --out="$R/s_probe" --tokens=1,2 --stages=4 \
+[[ "${1:-}" == min ]] || timeout 100 python3 results/h200/layer_seam/probe.py --out="$R/s_probe" --tokens=1,2 --stages=4 \
   --pad_rows=8,32 --mosaic=0 > "$R/s_probe.log" 2>&1
 pack
 # GPU checks: the window kernel at its default tuning against its reference,
 # greedy speculative decoding against greedy plain decoding (seam drafts included).
-timeout 110 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_window_attention.py \
+timeout $([[ "${1:-}" == min ]] && echo 75 || echo 110) python3 -m pytest -q -p no:cacheprovider tests/kernels/test_window_attention.py \
   tests/test_spec.py tests/kernels/test_layer_seam.py -k "compiled or greedy or seam" > "$R/s_pytest.log" 2>&1
 tail -3 "$R/s_pytest.log"
 pack
-if [[ "${1:-}" == short ]]; then
-  :  # `run.sh short`: stages 1-3 only
+if [[ "${1:-}" == short || "${1:-}" == min ]]; then
+  :  # `run.sh short`: stages 1-3 only; `run.sh min`: 1 and 3
 elif nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
   bench s_c128k8 140 --contexts=131072 --batches=8 --gammas=4 --repeats=6 --draft_windows=496,2032
 else
