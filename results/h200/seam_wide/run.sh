@@ -12,7 +12,7 @@ cd "$(dirname "$0")/../../.."
 OUT_FINAL=$OUT; OUT=$(mktemp -d)  # the work here, one archive in $OUT_FINAL after each stage
 . results/h200/device_bench.sh
 pack() { (cd "$R" && tar czf "$OUT_FINAL/seam_wide.tgz" .); }
-bench s_c32k16 200 --contexts=32768 --batches=16 --gammas=4 --repeats=8 \
+bench s_c32k16 $([[ "${1:-}" == min ]] && echo 170 || echo 200) --contexts=32768 --batches=16 --gammas=4 --repeats=8 \
   --draft_windows=496,2032 --draft_mlps=kernel_prefetch,seam_wide
 pack
 # one 0.5B draft pass: the seam at 16 rows, padded to 32, against the default
@@ -21,7 +21,7 @@ pack
 pack
 # GPU checks: the window kernel at its default tuning against its reference,
 # greedy speculative decoding against greedy plain decoding (seam drafts included).
-timeout $([[ "${1:-}" == min ]] && echo 75 || echo 110) python3 -m pytest -q -p no:cacheprovider tests/kernels/test_window_attention.py \
+timeout $([[ "${1:-}" == min ]] && echo 60 || echo 110) python3 -m pytest -q -p no:cacheprovider tests/kernels/test_window_attention.py \
   tests/test_spec.py tests/kernels/test_layer_seam.py -k "compiled or greedy or seam" > "$R/s_pytest.log" 2>&1
 tail -3 "$R/s_pytest.log"
 pack
