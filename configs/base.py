@@ -48,10 +48,8 @@ def base_config() -> ml_collections.ConfigDict:
                                   # sending the next layer's q/k/v and o to L2) | seam
                                   # (streaming draft: o, MLP and next q/k/v as one
                                   # resident kernel per layer, opt-in) | seam_mosaic
-                                  # (the seam, the attention a Mosaic GPU kernel) |
-                                  # seam_wide (the seam for passes of 17+ rows, the
-                                  # kernel for the rest); auto: kernel_prefetch
-                                  # wherever it runs
+                                  # (the seam, the attention a Mosaic GPU kernel); auto:
+                                  # kernel_prefetch wherever it runs
 
   c.selection = ml_collections.ConfigDict()
   # which KV rows the target verifies against (dustin_jax.selection.policies)

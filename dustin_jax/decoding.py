@@ -46,21 +46,14 @@ class Model(NamedTuple):
     if mode == "xla":
       return self
     module = nnx.merge(self.graphdef, self.state)
-    if mode in ("kernel", "kernel_prefetch", "seam_wide"):
+    if mode in ("seam", "seam_mosaic"):
+      module.fuse_seams(attention="mosaic" if mode == "seam_mosaic" else "triton")
+    else:
       module.stream_mlps(prefetch_next_layer=mode != "kernel")
-    if mode in ("seam", "seam_mosaic", "seam_wide"):
-      module.fuse_seams(attention="mosaic" if mode == "seam_mosaic" else "triton",
-                        min_rows=SEAM_WIDE_ROWS if mode == "seam_wide" else 1)
     return Model(self.cfg, *nnx.split(module))
 
 
-DRAFT_MLPS = ("auto", "xla", "kernel", "kernel_prefetch", "seam", "seam_mosaic", "seam_wide")
-# "seam_wide": passes of at least this many rows through the seam kernel. A
-# one-pass probe of the 0.5B draft on an H200 (results/h200/layer_seam/) had
-# it 23-34% faster than the layer-by-layer kernels at 32 rows and no faster
-# at 16: a draft step's first pass (prev and pending) at batch 16 is 32 rows,
-# its later passes 16.
-SEAM_WIDE_ROWS = 17
+DRAFT_MLPS = ("auto", "xla", "kernel", "kernel_prefetch", "seam", "seam_mosaic")
 
 
 def resolve_draft_mlp(mode: str, cfg: ModelConfig, mesh=None) -> str:
@@ -71,9 +64,7 @@ def resolve_draft_mlp(mode: str, cfg: ModelConfig, mesh=None) -> str:
   (a streaming draft's o, MLP and next q/k/v as one resident kernel per
   layer-pass, `kernels.layer_seam`; the same conditions), "seam_mosaic"
   (the seam with the pass's attention as a Mosaic GPU kernel that writes
-  the seam's rows, `window_attention_rows`), "seam_wide" (the seam for
-  passes of at least `SEAM_WIDE_ROWS` rows, "kernel_prefetch" for the
-  others) or "xla" (its GEMMs); "auto":
+  the seam's rows, `window_attention_rows`) or "xla" (its GEMMs); "auto":
   "kernel_prefetch" wherever the kernel can run."""
   from kernels.common import is_hopper
   if mode not in DRAFT_MLPS:

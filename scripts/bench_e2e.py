@@ -89,7 +89,7 @@ flags.DEFINE_float("time_budget_s", 540, "stop starting new configs after this l
 flags.DEFINE_list("draft_mlps", ["auto"], "the draft's MLPs, each timed per speculative "
                   "method: auto | xla (its GEMMs) | kernel (kernels.swiglu_mlp, Hopper) | "
                   "kernel_prefetch (the kernel, sending the next layer's q/k/v and o to "
-                  "L2; auto: wherever it runs, as the CLI) | seam | seam_mosaic | seam_wide (see "
+                  "L2; auto: wherever it runs, as the CLI) | seam | seam_mosaic (see "
                   "dustin_jax.decoding.resolve_draft_mlp)")
 flags.DEFINE_list("draft_windows", [str(SpecConfig().draft_window)], "recent rows of the "
                   "streaming draft cache (after its sink rows), each timed per method that "

@@ -157,7 +157,7 @@ def _refused(*overrides, config="configs/tiny.py"):
     ("--config.mem_fraction=1.5", "mem_fraction=1.5 must be in (0, 1]"),
     ("--config.draft_mlp=fused",
      "draft_mlp must be one of ('auto', 'xla', 'kernel', 'kernel_prefetch', 'seam', "
-     "'seam_mosaic', 'seam_wide'), got 'fused'"),
+     "'seam_mosaic'), got 'fused'"),
     # the tiny draft: hidden size 64, f32
     ("--config.draft_mlp=kernel", "draft_mlp='kernel' runs on one device with hidden_size % 128"),
 ])

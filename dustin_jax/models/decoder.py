@@ -362,7 +362,6 @@ class Decoder(nnx.Module):
     # whether a layer's MLP kernel sends the next layer's q/k/v and o to L2 (`stream_mlps`)
     self.prefetch_next_layer = False
     self.seam_stream = None  # every layer's o, MLP and q/k/v in one stream, after `fuse_seams()`
-    self.seam_min_rows = 1  # passes of fewer rows (batch x tokens) run layer by layer
     self.seam_rows = 8  # the seam kernel's rows: the pass's, padded to a multiple of this
     # the seam pass's attention kernel on a GPU: "triton" or "mosaic" (`window_impl`)
     self.window_kernel = "triton"
@@ -384,7 +383,7 @@ class Decoder(nnx.Module):
     positions = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None]
     cos, sin = rope_tables(self.cfg, positions)
     if (window is not None and self.seam_stream is not None and mesh is None
-        and self.seam_min_rows <= tokens.size <= 64):
+        and tokens.size <= 64):
       return self._seam_pass(tokens, cache, cos, sin, window, tap_layers, impl)
     x = jnp.take(self.embed_tokens[...], tokens, axis=0)
     taps = {}
@@ -475,7 +474,7 @@ class Decoder(nnx.Module):
     return SeamDims(cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.intermediate_size,
                     (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim)
 
-  def fuse_seams(self, attention: str = "triton", min_rows: int = 1):
+  def fuse_seams(self, attention: str = "triton"):
     """Every layer's o, MLP and q/k/v matrices also in one stream of blocks
     (`kernels.layer_seam.reference.seam_layout`, layers stacked), which a
     streaming draft's pass of at most 64 rows reads through one kernel per
@@ -483,10 +482,8 @@ class Decoder(nnx.Module):
     longer blocks run them): the stream is a second copy of all but the
     embeddings (~0.9 GB for Qwen2.5-0.5B). Needs folded norm weights
     (`fold_norm_weights`) and no o bias. `attention`: the pass's attention
-    kernel on a GPU (`use_window_kernel`). `min_rows`: passes of fewer rows
-    (batch x tokens) keep the layer-by-layer path."""
+    kernel on a GPU (`use_window_kernel`)."""
     self.use_window_kernel(attention)
-    self.seam_min_rows = min_rows
     blocks = []
     for layer in self.layers:
       attention, mlp = layer.self_attn, layer.mlp
