@@ -88,14 +88,15 @@ def main():
   for t in (int(x) for x in args.tokens.split(",")):
     tokens = jax.random.randint(jax.random.key(t), (args.batch, t), 0, cfg.vocab_size)
     stages = [int(s) for s in args.stages.split(",")]
-    variants = ([("kernel_prefetch", None, 8)]
+    # pad None: the model as made (`Decoder.seam_rows`'s default)
+    variants = ([("kernel_prefetch", None, None)]
                 + [("seam", s, pad) for s in stages for pad in pads]
-                + [("seam_mosaic", stages[0], 8)] * bool(args.mosaic))
+                + [("seam_mosaic", stages[0], None)] * bool(args.mosaic))
     for mode, stages, pad in variants:
       if stages is not None:
         seam_gpu.MAX_STAGES = stages
         jax.clear_caches()
-      model = models[mode] if pad == 8 else padded(models[mode], pad)
+      model = models[mode] if pad is None else padded(models[mode], pad)
       fn = forward_fn(model)
       try:
         us, hidden, cache = timed(fn, model.state, tokens, cache)
