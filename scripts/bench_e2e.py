@@ -58,7 +58,7 @@ from dustin_jax.vanilla import VanillaState, bind_vanilla_step
 from kernels.common import round_up
 from scripts.benchmarking import (DeviceTimer, benchmark_pairs, compile_cache_from_flag,
                                   floor_bytes, floor_time, fresh_decode_state, graph_mode,
-                                  phase_device_ms, pyplot, queued_steps, random_cache,
+                                  measure_copy_tbs, phase_device_ms, pyplot, queued_steps, random_cache,
                                   random_model, save_figure, spec_state_at,
                                   steady_step_count, steady_step_seconds, tau_draft_cache,
                                   write_json)
@@ -198,10 +198,11 @@ def price_all(records, taus, tau_path):
     r["gpu_speedup_vs_vanilla"] = tau * v_gpu / gpu if tau and gpu and v_gpu else None
 
 
-def bench_model(name, contexts, mesh, deadline, records, save):
+def bench_model(name, contexts, mesh, deadline, records, save, copy_tbs=None):
   """Append a record per (batch, gamma, method, context) of model pair
   `name` to `records`, calling `save()` after each; False once past
-  `deadline` (no new method is started then)."""
+  `deadline` (no new method is started then). `copy_tbs`: the copy
+  bandwidth measured in this process, the floor's yardstick."""
   thf, dhf = benchmark_pairs(FLAGS.smoke)[name]
   layers = FLAGS.num_layers or None
   tcfg = ModelConfig.from_hf(dict(thf), dtype="bfloat16", num_layers=layers)
@@ -273,7 +274,7 @@ def bench_model(name, contexts, mesh, deadline, records, save):
                                              FLAGS.budget, policy, ways=FLAGS.mesh_model,
                                              draft_rows=cfg.draft_sink + cfg.draft_window
                                              if window is not None else None)
-            floor_time(rec)
+            floor_time(rec, copy_tbs)
           except Exception as e:  # noqa: BLE001 -- record and go on: one bad config
             rec["error"] = f"{type(e).__name__}: {e}"[:500]
             # a failed call may have consumed the donated caches: make new ones
@@ -303,12 +304,16 @@ def main(_):
               for r in json.load(f) if r.get("context", FLAGS.tau_context) == FLAGS.tau_context}
   contexts = [48, 96] if FLAGS.smoke else sorted(int(x) for x in FLAGS.contexts)
   mesh = sharding.make_mesh(1, FLAGS.mesh_model) if FLAGS.mesh_model > 1 else None
+  # the floor's yardstick, measured in this process before any model is placed
+  copy_tbs = measure_copy_tbs() if jax.default_backend() == "gpu" else None
+  if copy_tbs:
+    print(f"copy bandwidth {copy_tbs:.3f} TB/s", flush=True)
   records = []
   def save():
     price_all(records, taus, tau_path)
     write_json(out_json, records)
   for name in FLAGS.models:
-    if not bench_model(name, contexts, mesh, deadline, records, save):
+    if not bench_model(name, contexts, mesh, deadline, records, save, copy_tbs):
       print("time budget reached; stopping", flush=True)
       break
   save()

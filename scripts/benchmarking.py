@@ -330,18 +330,42 @@ def floor_bytes(method, tcfg, dcfg, batch, context, gamma, budget, policy, ways=
   return out
 
 
-# The floor's yardstick: the bandwidth of a jnp copy, per device kind, as
-# measured by scripts/bench_attention.py (results/h200/attention.json).
+# The floor's yardstick where it is not measured in the process: the
+# bandwidth of a jnp copy, per device kind, as measured by
+# scripts/bench_attention.py (results/h200/attention.json).
 COPY_TBS = {"NVIDIA H200": 4.23}
 
 
-def floor_time(rec: dict) -> None:
-  """Add `floor_ms` (a benchmark record's `floor_bytes` at its device's copy
-  bandwidth) and `floor_share` (floor_ms over the step's GPU time, else its
-  time as run) where the device's bandwidth is known."""
-  tbs = COPY_TBS.get(rec.get("device"))
+def measure_copy_tbs(gib: float = 2.0, repeats: int = 3) -> float | None:
+  """The device's copy bandwidth in TB/s: bytes read + written by a jnp copy
+  of `gib` GiB of bf16 over its GPU time (the fastest of `repeats` calls
+  after a warm-up); None where the trace has no device kernels (CPU)."""
+  n = int(gib * 2**30) // 2
+  x = jax.block_until_ready(jnp.ones((n,), jnp.bfloat16))
+  copy = jax.jit(jnp.copy)
+  jax.block_until_ready(copy(x))
+  with DeviceTimer() as timer:
+    for _ in range(repeats):
+      with timer.window("copy"):
+        jax.block_until_ready(copy(x))
+  ms = timer.ms("copy")
+  del x
+  if not ms or not min(ms):
+    return None
+  return 2 * n * 2 / (min(ms) * 1e-3) / 1e12
+
+
+def floor_time(rec: dict, copy_tbs: float | None = None) -> None:
+  """Add `floor_ms` (a benchmark record's `floor_bytes` at the device's copy
+  bandwidth: `copy_tbs` where measured in the process, else COPY_TBS's
+  value for its device kind; `copy_tbs` and `copy_source` record which) and
+  `floor_share` (floor_ms over the step's GPU time, else its time as run)."""
+  tbs, source = copy_tbs, "measured"
+  if tbs is None:
+    tbs, source = COPY_TBS.get(rec.get("device")), "COPY_TBS"
   step = rec.get("gpu_ms") or rec.get("step_ms")
   if tbs and step and rec.get("floor_bytes"):
+    rec["copy_tbs"], rec["copy_source"] = tbs, source
     rec["floor_ms"] = sum(rec["floor_bytes"].values()) / (tbs * 1e9)
     rec["floor_share"] = rec["floor_ms"] / step
 

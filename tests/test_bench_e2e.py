@@ -124,9 +124,22 @@ def test_floor_time_at_the_devices_copy_bandwidth():
   rec = dict(device="NVIDIA H200", floor_bytes={"verify": 3e9}, step_ms=2.0, gpu_ms=None)
   floor_time(rec)
   assert rec["floor_share"] == pytest.approx(3e9 / (tbs * 1e9) / 2.0)
+  assert rec["copy_source"] == "COPY_TBS" and rec["copy_tbs"] == tbs
   cpu = dict(device="cpu", floor_bytes={"verify": 3e9}, step_ms=2.0)
   floor_time(cpu)
   assert "floor_ms" not in cpu and "floor_share" not in cpu
+  # a bandwidth measured in the process wins over the table, for any device
+  h100 = dict(device="NVIDIA H100 80GB HBM3", floor_bytes={"verify": 3e9}, step_ms=2.0,
+              gpu_ms=1.5)
+  floor_time(h100, copy_tbs=3.0)
+  assert h100["floor_ms"] == pytest.approx(1.0) and h100["floor_share"] == pytest.approx(1 / 1.5)
+  assert h100["copy_source"] == "measured" and h100["copy_tbs"] == 3.0
+
+
+def test_copy_bandwidth_is_none_without_device_kernels():
+  """On the CPU the profiler records no GPU kernels: no bandwidth is made up."""
+  from scripts.benchmarking import measure_copy_tbs
+  assert measure_copy_tbs(gib=2**-10, repeats=1) is None
 
 
 class FakeClock:
