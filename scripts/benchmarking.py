@@ -337,12 +337,14 @@ COPY_TBS = {"NVIDIA H200": 4.23}
 
 
 def measure_copy_tbs(gib: float = 2.0, repeats: int = 3) -> float | None:
-  """The device's copy bandwidth in TB/s: bytes read + written by a jnp copy
-  of `gib` GiB of bf16 over its GPU time (the fastest of `repeats` calls
-  after a warm-up); None where the trace has no device kernels (CPU)."""
+  """The device's copy bandwidth in TB/s: bytes read + written by one
+  elementwise kernel over `gib` GiB of bf16 (a negation: XLA may run a bare
+  copy as a memcpy, which is not a kernel) over its GPU time, the fastest
+  of `repeats` calls after a warm-up; None where the trace has no device
+  kernels (CPU)."""
   n = int(gib * 2**30) // 2
   x = jax.block_until_ready(jnp.ones((n,), jnp.bfloat16))
-  copy = jax.jit(jnp.copy)
+  copy = jax.jit(jnp.negative)
   jax.block_until_ready(copy(x))
   with DeviceTimer() as timer:
     for _ in range(repeats):
