@@ -309,10 +309,11 @@ def main(_):
   if jax.default_backend() == "gpu":
     try:
       copy_tbs = measure_copy_tbs()
-      print(f"copy bandwidth {copy_tbs:.3f} TB/s", flush=True)
     except Exception as e:  # noqa: BLE001 -- the records then say copy_source=COPY_TBS
-      print(f"copy bandwidth not measured ({type(e).__name__}: {e}); the floor uses COPY_TBS",
-            flush=True)
+      print(f"measure_copy_tbs failed: {type(e).__name__}: {e}", flush=True)
+  print(f"copy bandwidth {copy_tbs:.3f} TB/s" if copy_tbs else
+        "copy bandwidth not measured: the floor uses COPY_TBS where it knows the device",
+        flush=True)
   records = []
   def save():
     price_all(records, taus, tau_path)

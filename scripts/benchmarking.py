@@ -351,7 +351,6 @@ def measure_copy_tbs(gib: float = 2.0, repeats: int = 3) -> float | None:
       with timer.window("copy"):
         jax.block_until_ready(copy(x))
   ms = timer.ms("copy")
-  del x
   if not ms or not min(ms):
     return None
   return 2 * n * 2 / (min(ms) * 1e-3) / 1e12
