@@ -19,6 +19,12 @@ the variants remove kernels:
               merge, so there is no shared exp2 intermediate for XLA to
               materialise; `one_reduce_combine` below, equal to
               `kernels.common.combine_partials` (`--check` on the CPU).
+  kernel_merge    the window kernel's partials (draft window and verify
+              list) merged inside the kernel by the last of a (sequence,
+              KV head)'s programs to arrive (`merge="kernel"`): no merge
+              kernel at all, one zeroed counter per call;
+  kernel_merge16  the same with up to 16 window programs (one 128-row tile
+              each at 2032 rows), which the merge's cost ruled out before.
 
 Usage (repository root): python results/h200/merge_ab/variant.py
   --variant=splits4 --module=bench_e2e [the module's own flags]
@@ -71,8 +77,15 @@ def apply(variant: str) -> None:
   elif variant == "one_reduce":  # the window kernel's module only: vanilla's merge stays
     window_gpu.common = types.SimpleNamespace(**vars(common))
     window_gpu.common.combine_partials = one_reduce_combine
+  elif variant in ("kernel_merge", "kernel_merge16"):
+    if variant == "kernel_merge16":
+      window_gpu.MAX_SPLITS = 16
+    for name in ("default_tuning", "listed_tuning"):
+      tuning = getattr(window_gpu, name)
+      setattr(window_gpu, name, lambda *a, _t=tuning: _t(*a) | {"merge": "kernel"})
   elif variant != "default":
-    raise ValueError(f"unknown variant {variant!r}: default, splits4 or one_reduce")
+    raise ValueError(f"unknown variant {variant!r}: default, splits4, one_reduce, "
+                     f"kernel_merge or kernel_merge16")
 
 
 def check() -> None:
@@ -107,14 +120,18 @@ def check() -> None:
       1e4 ** (-jnp.arange(D // 2) / (D // 2)))
   cos, sin = jnp.cos(ang), jnp.sin(ang)
   want = window_attention_reference(qkv, kc, vc, lengths, cos, sin, n_sink=16, n_window=2032)
-  apply("one_reduce")
-  got = window_attention(qkv, kc, vc, lengths, cos, sin, n_sink=16, n_window=2032, impl="gpu",
-                         interpret=jax.default_backend() != "gpu")
-  # the written k rows are roped in registers: equal up to f32 rounding
-  err = max(float(jnp.max(jnp.abs(g - w))) for g, w in zip(got, want))
-  assert err < 1e-4, err
-  print(f"window_attention (8 programs per head, one_reduce merge) == reference: "
-        f"max abs diff {err:.2e}")
+  interpret = jax.default_backend() != "gpu"
+  for splits, merge, label in ((None, "kernel", "8 programs per head, merged in the kernel"),
+                               (16, "kernel", "16 programs per head, merged in the kernel"),
+                               (None, "xla", "8 programs per head, one_reduce merge")):
+    if merge == "xla":
+      apply("one_reduce")
+    got = window_attention(qkv, kc, vc, lengths, cos, sin, n_sink=16, n_window=2032,
+                           impl="gpu", interpret=interpret, splits=splits, merge=merge)
+    # the written k rows are roped in registers: equal up to f32 rounding
+    err = max(float(jnp.max(jnp.abs(g - w))) for g, w in zip(got, want))
+    assert err < 1e-4, (label, err)
+    print(f"window_attention ({label}) == reference: max abs diff {err:.2e}")
 
 
 def main() -> None:
