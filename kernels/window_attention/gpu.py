@@ -33,8 +33,10 @@ Grid (B, Hkv, splits).  Program (b, h, p), with L = lengths[b]:
     of V, entries outside [0, L) masked).  With splits > 1 the block and the
     sink are program 0's, context tile i is program i % splits's, and each
     program stores its partial (o, m, l) for ``common.combine_partials``
-    (one XLA fusion after the kernel): the tiles' latency chains run side by
-    side instead of one after another.  With ``prefetch`` a program's first
+    (XLA fusions after the kernel; ``merge="kernel"``: the last of the (b, h)
+    programs to finish, counted by an atomic per (b, h), merges them and
+    stores the output rows): the tiles' latency chains run side by side
+    instead of one after another.  With ``prefetch`` a program's first
     tile is loaded with the q rows and tile i + 1's loads are issued before
     tile i's math (the index -> gather chain overlaps the dots);
   * stores the output rows (or its partials), and (program 0) the roped k
