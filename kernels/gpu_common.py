@@ -32,15 +32,6 @@ def softmax_init(rows: int, head_dim: int):
           jnp.zeros((rows,), jnp.float32))
 
 
-def merge_partial(o, m, l, o2, m2, l2):
-  """(o, m, l) merged with a second partial softmax result over other keys
-  (m, m2 in log2 units, -inf: no key seen)."""
-  m_new = jnp.maximum(m, m2)
-  m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-  a, a2 = jnp.exp2(m - m_safe), jnp.exp2(m2 - m_safe)
-  return o * a[:, None] + o2 * a2[:, None], m_new, l * a + l2 * a2
-
-
 def softmax_update(o, m, l, s, v, *, guard_empty: bool = True):
   """One flash-attention step: fold logits `s` [M, BK] (log2 units, -inf
   where masked) and values `v` [BK, D] into the running (o, m, l).

@@ -33,10 +33,8 @@ Grid (B, Hkv, splits).  Program (b, h, p), with L = lengths[b]:
     of V, entries outside [0, L) masked).  With splits > 1 the block and the
     sink are program 0's, context tile i is program i % splits's, and each
     program stores its partial (o, m, l) for ``common.combine_partials``
-    (XLA fusions after the kernel; ``merge="kernel"``: the last of the (b, h)
-    programs to finish, counted by an atomic per (b, h), merges them and
-    stores the output rows): the tiles' latency chains run side by side
-    instead of one after another.  With ``prefetch`` a program's first
+    (one XLA fusion after the kernel): the tiles' latency chains run side by
+    side instead of one after another.  With ``prefetch`` a program's first
     tile is loaded with the q rows and tile i + 1's loads are issued before
     tile i's math (the index -> gather chain overlaps the dots);
   * stores the output rows (or its partials), and (program 0) the roped k
@@ -99,13 +97,11 @@ def qkv_row(t, h, c, Hkv: int, G: int):
 
 
 def _kernel(len_ref, *refs, T, G, Hq, Hkv, M, TB, D, S, n_sink, NS, n_window,
-            K, BW, P, prefetch, merge_in_kernel, interpret, scale_log2):
+            K, BW, P, prefetch, scale_log2):
   listed = K > 0  # context rows from an index list (else the sink and window)
   if listed:
     idx_ref, *refs = refs
   qkv_ref, cos_ref, sin_ref, kc_ref, vc_ref, *out_refs = refs
-  if merge_in_kernel:
-    _, out_ref, o_ref, m_ref, l_ref, kc_out, vc_out, count_ref = out_refs
   b = pl.program_id(0)
   h = pl.program_id(1)
   L = len_ref[b]
@@ -113,8 +109,7 @@ def _kernel(len_ref, *refs, T, G, Hq, Hkv, M, TB, D, S, n_sink, NS, n_window,
     out_ref, kc_out, vc_out = out_refs
     p, first = 0, True
   else:  # program p: its share of the context tiles; program 0 also the block and sink
-    if not merge_in_kernel:
-      o_ref, m_ref, l_ref, kc_out, vc_out = out_refs
+    o_ref, m_ref, l_ref, kc_out, vc_out = out_refs
     p = pl.program_id(2)
     first = p == 0
   half = D // 2
@@ -230,29 +225,6 @@ def _kernel(len_ref, *refs, T, G, Hq, Hkv, M, TB, D, S, n_sink, NS, n_window,
               mask=row_ok[:, None])
     plt.store(m_ref.at[p, b, orow], m, mask=row_ok)
     plt.store(l_ref.at[p, b, orow], l, mask=row_ok)
-    if merge_in_kernel:
-      # The last of (b, h)'s P programs to arrive merges all partials.  The
-      # CTA barrier orders every thread's partial stores before the counter's
-      # acq_rel (GPU scope) increment, which publishes them to the program
-      # that reads P - 1 (interpret mode runs programs one after another).
-      if not interpret:
-        plt.debug_barrier()
-      arrived = plt.atomic_add(count_ref, (b, h), jnp.int32(1))
-
-      @pl.when(arrived == P - 1)
-      def _merge():
-        acc = (o, m, l)
-        for j in range(P):  # the own partial is in registers: masked loads
-          ok = row_ok & (p != j)
-          part = (plt.load(o_ref.at[j, b, orow[:, None], cols[None, :]],
-                           mask=ok[:, None], other=0.0),
-                  plt.load(m_ref.at[j, b, orow], mask=ok, other=-jnp.inf),
-                  plt.load(l_ref.at[j, b, orow], mask=ok, other=0.0))
-          acc = gpu_common.merge_partial(*acc, *part)
-        o_all, _, l_all = acc
-        plt.store(out_ref.at[b, orow[:, None], cols[None, :]],
-                  (o_all / l_all[:, None]).astype(out_ref.dtype),
-                  mask=row_ok[:, None])
   # Masked rows point past the cache (row S), never at a live row: interpret
   # mode discharges a masked store as a scatter of old-or-new values, where
   # a duplicate row index would race with the real write (OOB is dropped).
@@ -278,7 +250,7 @@ def default_tuning(n_window):
   block_w = min(128, max(16, common.next_pow2(max(n_window, 1))))
   return dict(block_w=block_w,
               splits=max(1, min(MAX_SPLITS, common.cdiv(n_window, block_w))),
-              num_warps=4, num_stages=3, prefetch=True, merge="xla")
+              num_warps=4, num_stages=3, prefetch=True)
 
 
 def listed_tuning(B, Hkv, K):
@@ -289,7 +261,7 @@ def listed_tuning(B, Hkv, K):
   splits = round(2 * common.num_sms() / (B * Hkv))
   return dict(block_w=block_w,
               splits=max(1, min(splits, common.cdiv(K, block_w))),
-              num_warps=4, num_stages=3, prefetch=True, merge="xla")
+              num_warps=4, num_stages=3, prefetch=True)
 
 
 def window_attention_gpu(qkv, k_cache, v_cache, lengths, cos, sin, *, n_sink,
@@ -320,8 +292,6 @@ def _call(qkv, k_cache, v_cache, lengths, cos, sin, indices, n_sink, n_window,
     raise ValueError(f"unknown tuning {unknown}; known: {sorted(defaults)}")
   tune = defaults | {k: v for k, v in tuning.items() if v is not None}
   block_w, splits, prefetch = tune["block_w"], tune["splits"], tune["prefetch"]
-  if tune["merge"] not in ("xla", "kernel"):
-    raise ValueError(f"merge must be 'xla' or 'kernel', got {tune['merge']!r}")
   B, T, Hkv, G2, D = qkv.shape
   S = k_cache.shape[2]
   G = G2 - 2
@@ -336,39 +306,31 @@ def _call(qkv, k_cache, v_cache, lengths, cos, sin, indices, n_sink, n_window,
   NS = max(16, common.next_pow2(n_sink))
   scale = common.default_scale(D, scale)
   K = 0 if indices is None else indices.shape[1]
-  merge_in_kernel = P > 1 and tune["merge"] == "kernel"
   kernel = functools.partial(
       _kernel, T=T, G=G, Hq=Hq, Hkv=Hkv, M=M, TB=TB, D=D, S=S, n_sink=n_sink,
       NS=NS, n_window=n_window, K=K, BW=block_w, P=P, prefetch=bool(prefetch),
-      merge_in_kernel=merge_in_kernel, interpret=bool(interpret),
       scale_log2=scale * common.LOG2E)
-  out_rows = jax.ShapeDtypeStruct((B, T * Hq, D), qkv.dtype)
-  partials = [jax.ShapeDtypeStruct((P, B, T * Hq, D), jnp.float32),  # kernels.common
-              jax.ShapeDtypeStruct((P, B, T * Hq), jnp.float32),
-              jax.ShapeDtypeStruct((P, B, T * Hq), jnp.float32)]
-  outs = [out_rows] if P == 1 else [out_rows] * merge_in_kernel + partials
+  if P == 1:
+    outs = [jax.ShapeDtypeStruct((B, T * Hq, D), qkv.dtype)]
+  else:  # partial softmax results (kernels.common), merged below
+    outs = [jax.ShapeDtypeStruct((P, B, T * Hq, D), jnp.float32),
+            jax.ShapeDtypeStruct((P, B, T * Hq), jnp.float32),
+            jax.ShapeDtypeStruct((P, B, T * Hq), jnp.float32)]
   args = [lengths.astype(jnp.int32)]
   if indices is not None:
     args.append(indices.astype(jnp.int32))
   args += [qkv.reshape(B, T * Hkv * G2, D), cos.astype(jnp.float32),
            sin.astype(jnp.float32), k_cache, v_cache]
-  out_shape = outs + [jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
-                      jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype)]
-  aliases = {len(args) - 2: len(outs), len(args) - 1: len(outs) + 1}
-  if merge_in_kernel:  # arrivals per (b, h), zero at the call
-    args.append(jnp.zeros((B, Hkv), jnp.int32))
-    out_shape.append(jax.ShapeDtypeStruct((B, Hkv), jnp.int32))
-    aliases[len(args) - 1] = len(out_shape) - 1
   *out, k_cache, v_cache = pl.pallas_call(
       kernel,
       grid=(B, Hkv) if P == 1 else (B, Hkv, P),
-      out_shape=out_shape,
-      input_output_aliases=aliases,
+      out_shape=outs + [jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
+                        jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype)],
+      input_output_aliases={len(args) - 2: len(outs), len(args) - 1: len(outs) + 1},
       compiler_params=plt.CompilerParams(num_warps=tune["num_warps"],
                                          num_stages=tune["num_stages"]),
       interpret=interpret,
       name="window_attention" if indices is None else "listed_attention",
-  )(*args)[:len(out_shape) - merge_in_kernel]
-  if P > 1 and not merge_in_kernel:
-    out = [common.combine_partials(*out, qkv.dtype)]
-  return out[0].reshape(B, T, Hq, D), k_cache, v_cache
+  )(*args)
+  out = out[0] if P == 1 else common.combine_partials(*out, qkv.dtype)
+  return out.reshape(B, T, Hq, D), k_cache, v_cache

@@ -159,14 +159,6 @@ GPU_CASES = [
      dict(block_w=16, prefetch=False)),
     (2, 4, 2, 32, [2, 11, 45], 4, 48, jnp.bfloat16,
      dict(block_w=16, splits=2, prefetch=False)),
-    # the partials merged in the kernel by the last program of each (b, h)
-    # to arrive (programs with no tile included: L = 2, 11)
-    (2, 4, 2, 32, [2, 11, 45], 4, 48, jnp.float32,
-     dict(block_w=16, splits=3, merge="kernel")),
-    (3, 14, 2, 16, [1, 30, 58], 5, 40, jnp.bfloat16,
-     dict(block_w=16, splits=2, merge="kernel")),
-    (1, 4, 2, 16, [0, 4, 20], 0, 32, jnp.float32,
-     dict(block_w=16, splits=2, merge="kernel")),
 ]
 
 
@@ -234,19 +226,3 @@ def test_gpu_kernel_compiled_draft_shapes(T, Hq, Hkv, splits, n_window):
                              splits=splits)
   assert_compiled_close(got, window_attention_reference(
       *packed(args), n_sink=16, n_window=n_window))
-
-
-@gpu_only
-@pytest.mark.parametrize("T", [1, 2])
-@pytest.mark.parametrize("Hq,Hkv", [(14, 2), (32, 8)])
-@pytest.mark.parametrize("splits", [None, 16])  # the default cap (8); one tile each
-def test_gpu_kernel_compiled_merged_in_kernel(T, Hq, Hkv, splits):
-  # the split programs' partials merged by the last to arrive, at the
-  # default 2032-row window (a program's partial read by another program:
-  # what interpret mode, one program after another, cannot show)
-  args = make_case(6, 4, T, Hq, Hkv, 4096, 64, [4000, 5, 300, 2100],
-                   jnp.bfloat16)
-  got = ops.window_attention(*packed(args), n_sink=16, n_window=2032,
-                             splits=splits, merge="kernel")
-  assert_compiled_close(got, window_attention_reference(
-      *packed(args), n_sink=16, n_window=2032))

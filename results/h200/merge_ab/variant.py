@@ -21,8 +21,10 @@ the variants remove kernels:
               `kernels.common.combine_partials` (`--check` on the CPU).
   kernel_merge    the window kernel's partials (draft window and verify
               list) merged inside the kernel by the last of a (sequence,
-              KV head)'s programs to arrive (`merge="kernel"`): no merge
-              kernel at all, one zeroed counter per call;
+              KV head)'s programs to arrive (`merge="kernel"`, an option
+              of the code of commit 2c5a446, removed after this probe
+              measured it slower): no merge kernel at all, one zeroed
+              counter per call;
   kernel_merge16  the same with up to 16 window programs (one 128-row tile
               each at 2032 rows), which the merge's cost ruled out before.
 
@@ -78,6 +80,9 @@ def apply(variant: str) -> None:
     window_gpu.common = types.SimpleNamespace(**vars(common))
     window_gpu.common.combine_partials = one_reduce_combine
   elif variant in ("kernel_merge", "kernel_merge16"):
+    if "merge" not in window_gpu.default_tuning(2032):
+      raise SystemExit(f"{variant} needs the window kernel's merge='kernel' option, "
+                       f"measured and removed: run it on the code of commit 2c5a446")
     if variant == "kernel_merge16":
       window_gpu.MAX_SPLITS = 16
     for name in ("default_tuning", "listed_tuning"):
@@ -121,13 +126,15 @@ def check() -> None:
   cos, sin = jnp.cos(ang), jnp.sin(ang)
   want = window_attention_reference(qkv, kc, vc, lengths, cos, sin, n_sink=16, n_window=2032)
   interpret = jax.default_backend() != "gpu"
-  for splits, merge, label in ((None, "kernel", "8 programs per head, merged in the kernel"),
-                               (16, "kernel", "16 programs per head, merged in the kernel"),
-                               (None, "xla", "8 programs per head, one_reduce merge")):
-    if merge == "xla":
+  cases = [(None, {}, "8 programs per head, one_reduce merge")]
+  if "merge" in window_gpu.default_tuning(2032):  # the code of 2c5a446
+    cases = [(None, {"merge": "kernel"}, "8 programs per head, merged in the kernel"),
+             (16, {"merge": "kernel"}, "16 programs per head, merged in the kernel")] + cases
+  for splits, merge, label in cases:
+    if not merge:
       apply("one_reduce")
     got = window_attention(qkv, kc, vc, lengths, cos, sin, n_sink=16, n_window=2032,
-                           impl="gpu", interpret=interpret, splits=splits, merge=merge)
+                           impl="gpu", interpret=interpret, splits=splits, **merge)
     # the written k rows are roped in registers: equal up to f32 rounding
     err = max(float(jnp.max(jnp.abs(g - w))) for g, w in zip(got, want))
     assert err < 1e-4, (label, err)
