@@ -6,7 +6,10 @@
 # then the trace of kernel_merge (launches per step; the default's:
 # results/h100/default_window/). Stages that would pass ~9 min are skipped.
 # $OUT receives one archive, rewritten after each stage. Expects the
-# ml_collections wheel under .whl/ where the device lacks it.
+# ml_collections wheel under .whl/ where the device lacks it. The
+# kernel_merge variants and the merged-in-kernel tests need the code of
+# commit 2c5a446 (elsewhere they stop at once with that message, or select
+# no test).
 cd "$(dirname "$0")/../../.."
 ARCHIVE=merge_ab
 . results/h200/device_bench.sh

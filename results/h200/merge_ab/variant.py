@@ -6,8 +6,7 @@ At the default 16 + 2032-row draft window the window kernel runs 8 programs
 per (sequence, KV head) and XLA merges their partials in two kernels a call
 (an exp2 fusion, then the weighted sums): 192 of the step's 1407 launches at
 32k x 16, and the verify's listed attention 56 more (results/h100/default_window/).
-In the step a kernel boundary costs more than these kernels' own time, so
-the variants remove kernels:
+The variants remove or shorten those kernels:
 
   default     the package as shipped;
   splits4     at most 4 window programs per (sequence, KV head): one merge
@@ -22,11 +21,12 @@ the variants remove kernels:
   kernel_merge    the window kernel's partials (draft window and verify
               list) merged inside the kernel by the last of a (sequence,
               KV head)'s programs to arrive (`merge="kernel"`, an option
-              of the code of commit 2c5a446, removed after this probe
-              measured it slower): no merge kernel at all, one zeroed
-              counter per call;
+              that only the code of commit 2c5a446 has): no merge kernel
+              at all, one zeroed counter per call;
   kernel_merge16  the same with up to 16 window programs (one 128-row tile
-              each at 2032 rows), which the merge's cost ruled out before.
+              each at 2032 rows).
+
+Measured on an H100: results/h100/merge_ab/ (none faster than default).
 
 Usage (repository root): python results/h200/merge_ab/variant.py
   --variant=splits4 --module=bench_e2e [the module's own flags]
@@ -82,7 +82,7 @@ def apply(variant: str) -> None:
   elif variant in ("kernel_merge", "kernel_merge16"):
     if "merge" not in window_gpu.default_tuning(2032):
       raise SystemExit(f"{variant} needs the window kernel's merge='kernel' option, "
-                       f"measured and removed: run it on the code of commit 2c5a446")
+                       f"which only the code of commit 2c5a446 has")
     if variant == "kernel_merge16":
       window_gpu.MAX_SPLITS = 16
     for name in ("default_tuning", "listed_tuning"):
