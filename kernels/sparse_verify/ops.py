@@ -53,7 +53,7 @@ def sparse_verify_packed(qkv, k_cache, v_cache, lengths, indices, cos, sin, *,
       `kernels.window_attention.gpu` with an index list) | "tpu" (RoPE and
       the writes in XLA, then the TPU sparse_verify kernel).
     **tuning: gpu: block_w (index block rows), splits, num_warps, num_stages,
-      prefetch; tpu: as sparse_verify.
+      prefetch, unroll; tpu: as sparse_verify.
   Returns:
     (out [B, T, Hq, D], k_cache, v_cache) with the roped k rows and the v
     rows written (in place on GPU when the caches are donated).

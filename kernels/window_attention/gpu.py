@@ -97,7 +97,7 @@ def qkv_row(t, h, c, Hkv: int, G: int):
 
 
 def _kernel(len_ref, *refs, T, G, Hq, Hkv, M, TB, D, S, n_sink, NS, n_window,
-            K, BW, P, prefetch, scale_log2):
+            K, BW, P, prefetch, unroll, scale_log2):
   listed = K > 0  # context rows from an index list (else the sink and window)
   if listed:
     idx_ref, *refs = refs
@@ -176,9 +176,11 @@ def _kernel(len_ref, *refs, T, G, Hq, Hkv, M, TB, D, S, n_sink, NS, n_window,
     n_tiles = pl.cdiv(K, BW)
 
     def tile_pos(i):
-      e0 = (p + i * P) * BW
-      in_list = e0 + jnp.arange(BW, dtype=jnp.int32) < K
-      ctx = plt.load(idx_ref.at[b, pl.ds(e0, BW)], mask=in_list, other=-1)
+      e = (p + i * P) * BW + jnp.arange(BW, dtype=jnp.int32)
+      in_list = e < K
+      # an index vector, not a slice: with `unroll` the start is static and
+      # a block past K must stay a masked load
+      ctx = plt.load(idx_ref.at[b, jnp.where(in_list, e, 0)], mask=in_list, other=-1)
       return jnp.where((ctx >= 0) & (ctx < L), ctx, -1)
   else:
     w0 = jnp.maximum(L - n_window, n_sink)
@@ -188,7 +190,14 @@ def _kernel(len_ref, *refs, T, G, Hq, Hkv, M, TB, D, S, n_sink, NS, n_window,
       pos = w0 + (p + i * P) * BW + jnp.arange(BW, dtype=jnp.int32)
       return jnp.where(pos < L, pos, -1)
   mine = n_tiles if P == 1 else pl.cdiv(jnp.maximum(n_tiles - p, 0), P)
-  if prefetch:  # the first tile's index and row loads go out with the q loads
+  if unroll:
+    # Every tile this program can own, loaded before any math: the tile
+    # count's static bound, tiles past `mine` all -1 (masked loads, no
+    # traffic). All of a program's bytes are then in flight at once.
+    n_static = common.cdiv(common.cdiv(K if listed else n_window, BW), P)
+    poss = [tile_pos(i) for i in range(n_static)]
+    tiles = [load_rows(pos) for pos in poss]
+  elif prefetch:  # the first tile's index and row loads go out with the q loads
     ahead = load_rows(tile_pos(0))
 
   q = rope(*q_in)  # [M, D]
@@ -202,7 +211,10 @@ def _kernel(len_ref, *refs, T, G, Hq, Hkv, M, TB, D, S, n_sink, NS, n_window,
                                     guard_empty=P > 1)
   if n_sink:
     carry = attend(carry, *sink)
-  if prefetch:
+  if unroll:
+    for tile in tiles:
+      carry = attend(carry, *tile)
+  elif prefetch:
     # Tile i + 1's loads are issued before tile i's math, so its index ->
     # row-gather latency overlaps that math (past the last tile every row
     # is -1: masked loads, no traffic).
@@ -250,7 +262,7 @@ def default_tuning(n_window):
   block_w = min(128, max(16, common.next_pow2(max(n_window, 1))))
   return dict(block_w=block_w,
               splits=max(1, min(MAX_SPLITS, common.cdiv(n_window, block_w))),
-              num_warps=4, num_stages=3, prefetch=True)
+              num_warps=4, num_stages=3, prefetch=True, unroll=False)
 
 
 def listed_tuning(B, Hkv, K):
@@ -261,7 +273,7 @@ def listed_tuning(B, Hkv, K):
   splits = round(2 * common.num_sms() / (B * Hkv))
   return dict(block_w=block_w,
               splits=max(1, min(splits, common.cdiv(K, block_w))),
-              num_warps=4, num_stages=3, prefetch=True)
+              num_warps=4, num_stages=3, prefetch=True, unroll=False)
 
 
 def window_attention_gpu(qkv, k_cache, v_cache, lengths, cos, sin, *, n_sink,
@@ -309,7 +321,7 @@ def _call(qkv, k_cache, v_cache, lengths, cos, sin, indices, n_sink, n_window,
   kernel = functools.partial(
       _kernel, T=T, G=G, Hq=Hq, Hkv=Hkv, M=M, TB=TB, D=D, S=S, n_sink=n_sink,
       NS=NS, n_window=n_window, K=K, BW=block_w, P=P, prefetch=bool(prefetch),
-      scale_log2=scale * common.LOG2E)
+      unroll=bool(tune["unroll"]), scale_log2=scale * common.LOG2E)
   if P == 1:
     outs = [jax.ShapeDtypeStruct((B, T * Hq, D), qkv.dtype)]
   else:  # partial softmax results (kernels.common), merged below

@@ -36,7 +36,9 @@ def window_attention(qkv, k_cache, v_cache, lengths, cos, sin, *, n_sink,
       splits (programs per (sequence, KV head) sharing the window tiles,
       their partial results merged after; 1: one program normalises in
       place), num_warps, num_stages, prefetch (each tile's loads issued
-      before the previous tile's math).  Ignored by the reference.
+      before the previous tile's math), unroll (all of a program's tiles
+      loaded before any math; prefetch then has no effect).  Ignored by
+      the reference.
   Returns:
     (out [B, T, Hq, D] in qkv's dtype, k_cache, v_cache) with the roped k rows
     and the v rows written.  The gpu kernel updates the caches in place

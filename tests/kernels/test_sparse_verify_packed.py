@@ -87,6 +87,9 @@ GPU_CASES = [
      dict(block_w=16, splits=1, prefetch=False)),
     # the default tuning (block_w 64 > K: one partly filled block)
     (5, 8, 2, 16, [3, 40, 57], 30, jnp.float32, {}),
+    # every block of a program gathered before its math
+    (5, 14, 2, 16, [5, 33, 58], 40, jnp.float32, dict(block_w=16, splits=2, unroll=True)),
+    (2, 4, 1, 16, [3, 40, 57], 24, jnp.bfloat16, dict(block_w=16, splits=1, unroll=True)),
 ]
 
 
@@ -127,7 +130,7 @@ gpu_only = pytest.mark.skipif(not ON_GPU, reason="needs a GPU")
 
 @gpu_only
 @pytest.mark.parametrize("Hq,Hkv,D", [(28, 4, 128), (32, 8, 128), (8, 1, 128)])
-@pytest.mark.parametrize("tuning", [{}, dict(splits=1), dict(prefetch=False)])
+@pytest.mark.parametrize("tuning", [{}, dict(splits=1), dict(prefetch=False), dict(unroll=True)])
 def test_gpu_kernel_compiled_target_shapes(Hq, Hkv, D, tuning):
   # the target layers' shapes (7B, 8B, 72B on 8 ways), T = 5, K = 512
   lengths = [2000, 300, 1500, 1024]

@@ -159,6 +159,12 @@ GPU_CASES = [
      dict(block_w=16, prefetch=False)),
     (2, 4, 2, 32, [2, 11, 45], 4, 48, jnp.bfloat16,
      dict(block_w=16, splits=2, prefetch=False)),
+    # every tile of a program loaded before its math (tiles the window does
+    # not reach at L = 2, 11: masked); one program, and two programs of
+    # two tiles each
+    (3, 14, 2, 16, [1, 30, 58], 5, 40, jnp.float32, dict(block_w=16, unroll=True)),
+    (2, 4, 2, 32, [2, 11, 45], 4, 48, jnp.bfloat16,
+     dict(block_w=16, splits=2, unroll=True)),
 ]
 
 
@@ -226,3 +232,16 @@ def test_gpu_kernel_compiled_draft_shapes(T, Hq, Hkv, splits, n_window):
                              splits=splits)
   assert_compiled_close(got, window_attention_reference(
       *packed(args), n_sink=16, n_window=n_window))
+
+
+@gpu_only
+@pytest.mark.parametrize("T", [1, 2])
+@pytest.mark.parametrize("tuning", [dict(unroll=True), dict(unroll=True, splits=4),
+                                    dict(unroll=True, block_w=64, num_warps=8)])
+def test_gpu_kernel_compiled_unrolled(T, tuning):
+  # the 0.5B draft's shapes at the default window, every tile of a program
+  # loaded before its math
+  args = make_case(6, 4, T, 14, 2, 4096, 64, [4000, 5, 300, 2100], jnp.bfloat16)
+  got = ops.window_attention(*packed(args), n_sink=16, n_window=2032, **tuning)
+  assert_compiled_close(got, window_attention_reference(
+      *packed(args), n_sink=16, n_window=2032))
