@@ -53,16 +53,12 @@ WINDOW_TUNINGS = [
     dict(U, block_w=128, splits=8), dict(U, block_w=128, splits=8, num_warps=8),
     dict(U, block_w=128, splits=4), dict(U, block_w=128, splits=4, num_warps=8),
     dict(U, block_w=64, splits=8), dict(U, block_w=64, splits=8, num_warps=8),
-    dict(U, block_w=64, splits=16), dict(U, block_w=128, splits=16),
-    dict(block_w=128, splits=8, prefetch=False, num_stages=4),
     dict(block_w=128, splits=4, prefetch=False, num_stages=4),
-    dict(block_w=64, splits=8, prefetch=False, num_stages=5),
 ]
 LISTED_TUNINGS = [
     None,
     dict(U, block_w=64), dict(U, block_w=64, num_warps=8), dict(U, block_w=32),
-    dict(U, block_w=64, splits=8), dict(U, block_w=32, splits=8),
-    dict(U, block_w=128, splits=2, num_warps=8), dict(U, block_w=64, splits=2),
+    dict(U, block_w=64, splits=8),
 ]
 LAYERS, CONTEXT = 8, 32768
 
@@ -140,7 +136,7 @@ def main():
   print(json.dumps({k: v for k, v in result.items() if k != "records"}), flush=True)
   win1 = wt.measure(16, 2032, 1, WINDOW_TUNINGS, copy_tbs)
   listed = measure_listed(16, 5, 512, LISTED_TUNINGS, copy_tbs)
-  win2 = wt.measure(16, 2032, 2, WINDOW_TUNINGS[:6], copy_tbs)
+  win2 = wt.measure(16, 2032, 2, WINDOW_TUNINGS[:4], copy_tbs)
   result["records"] = win1 + listed + win2
   result["seconds"] = time.perf_counter() - t0
   with open(os.path.join(args.out, "probe.json"), "w") as f:

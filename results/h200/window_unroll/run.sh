@@ -3,23 +3,23 @@
 # kernel's tunings with `unroll`, at the step's shapes), the compiled tests
 # of the new knob, then the step at 32k x 16 (7B + 0.5B shapes, gamma 4,
 # vanilla in each process) with the shipped tunings and with probe.py's
-# fastest (variant.py), default / best / default. $OUT receives one
+# fastest (variant.py), default then best. $OUT receives one
 # archive, rewritten after each stage.
 cd "$(dirname "$0")/../../.."
 ARCHIVE=window_unroll
 . results/h200/device_bench.sh
 D=results/h200/window_unroll
-timeout 200 python3 $D/probe.py --out="$R" > "$R/probe.log" 2>&1
+timeout 150 python3 $D/probe.py --out="$R" > "$R/probe.log" 2>&1
 echo "probe rc=$?" >> "$R/probe.log"
 pack
-timeout 80 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_window_attention.py \
+timeout 70 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_window_attention.py \
   tests/kernels/test_sparse_verify_packed.py -k "compiled_unrolled or (compiled_target and unroll)" \
   > "$R/pytest.log" 2>&1
 echo "pytest rc=$?" >> "$R/pytest.log"
 pack
 i=0
-for v in default best default; do
-  (( SECONDS > 500 )) && break
+for v in default best; do
+  (( SECONDS > 330 )) && break
   i=$((i + 1))
   timeout 110 python3 $D/variant.py --variant=$v --best="$R/best.json" --module=bench_e2e \
     --models=qwen7b --methods=vanilla,dustin --phase_batches=16 --contexts=32768 \
