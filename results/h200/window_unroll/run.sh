@@ -4,8 +4,8 @@
 # reference), then the step at 32k x 16 (7B + 0.5B shapes, gamma 4,
 # vanilla in each process) with the shipped tunings and with probe.py's
 # fastest (variant.py), default then best, then the compiled tests of the
-# new knob if time remains. $OUT receives one
-# archive, rewritten after each stage.
+# new knob if time remains. $OUT receives one archive, rewritten after each
+# stage.
 cd "$(dirname "$0")/../../.."
 ARCHIVE=window_unroll
 . results/h200/device_bench.sh
@@ -24,7 +24,7 @@ for v in default best; do
   pack
 done
 if (( SECONDS < 420 )); then
-timeout 70 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_window_attention.py \
+  timeout 70 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_window_attention.py \
     tests/kernels/test_sparse_verify_packed.py -k "compiled_unrolled or (compiled_target and unroll)" \
     > "$R/pytest.log" 2>&1
   echo "pytest rc=$?" >> "$R/pytest.log"
