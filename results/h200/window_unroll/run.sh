@@ -15,7 +15,7 @@ echo "probe rc=$?" >> "$R/probe.log"
 pack
 i=0
 for v in default best; do
-  (( SECONDS > 300 )) && break
+  (( SECONDS > 250 )) && break
   i=$((i + 1))
   timeout 110 python3 $D/variant.py --variant=$v --best="$R/best.json" --module=bench_e2e \
     --models=qwen7b --methods=vanilla,dustin --phase_batches=16 --contexts=32768 \
@@ -23,8 +23,8 @@ for v in default best; do
     --out_dir="$R" --json_name="e2e_${i}_$v.json" > "$R/bench_e2e_${i}_$v.log" 2>&1
   pack
 done
-if (( SECONDS < 420 )); then
-  timeout 70 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_window_attention.py \
+if (( SECONDS < 320 )); then
+  timeout 60 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_window_attention.py \
     tests/kernels/test_sparse_verify_packed.py -k "compiled_unrolled or (compiled_target and unroll)" \
     > "$R/pytest.log" 2>&1
   echo "pytest rc=$?" >> "$R/pytest.log"
