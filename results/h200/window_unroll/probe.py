@@ -134,18 +134,24 @@ def main():
   result = dict(device=jax.devices()[0].device_kind, jax=jax.__version__, layers=LAYERS,
                 copy_tbs=copy_tbs, records=[])
   print(json.dumps({k: v for k, v in result.items() if k != "records"}), flush=True)
-  win1 = wt.measure(16, 2032, 1, WINDOW_TUNINGS, copy_tbs)
-  listed = measure_listed(16, 5, 512, LISTED_TUNINGS, copy_tbs)
-  win2 = wt.measure(16, 2032, 2, WINDOW_TUNINGS[:4], copy_tbs)
-  result["records"] = win1 + listed + win2
-  result["seconds"] = time.perf_counter() - t0
-  with open(os.path.join(args.out, "probe.json"), "w") as f:
-    json.dump(result, f, indent=1)
-  chosen = dict(window=best(win1, 0.02), listed=best(listed, 0.05))
-  with open(os.path.join(args.out, "best.json"), "w") as f:
-    json.dump(chosen, f, indent=1)
-  print("best", json.dumps(chosen), flush=True)
+  win1, listed, win2 = [], [], []
 
+  def save():  # after each stage: a run cut short keeps what it measured
+    result["records"] = win1 + listed + win2
+    result["seconds"] = time.perf_counter() - t0
+    with open(os.path.join(args.out, "probe.json"), "w") as f:
+      json.dump(result, f, indent=1)
+    chosen = dict(window=best(win1, 0.02), listed=best(listed, 0.05))
+    with open(os.path.join(args.out, "best.json"), "w") as f:
+      json.dump(chosen, f, indent=1)
+    print("best", json.dumps(chosen), flush=True)
+
+  win1 += wt.measure(16, 2032, 1, WINDOW_TUNINGS, copy_tbs)
+  save()
+  listed += measure_listed(16, 5, 512, LISTED_TUNINGS, copy_tbs)
+  save()
+  win2 += wt.measure(16, 2032, 2, WINDOW_TUNINGS[:4], copy_tbs)
+  save()
 
 if __name__ == "__main__":
   main()
