@@ -153,5 +153,6 @@ def main():
   win2 += wt.measure(16, 2032, 2, WINDOW_TUNINGS[:4], copy_tbs)
   save()
 
+
 if __name__ == "__main__":
   main()
