@@ -58,9 +58,10 @@ def copy_bandwidth() -> float:
   return 2 * x.nbytes / best / 1e12
 
 
-def tables(lengths, t):
+def tables(lengths, t, d=D):
+  """RoPE cos, sin [B, t, d // 2] of the positions lengths[b] + 0 .. t - 1."""
   pos = lengths[:, None] + jnp.arange(t)[None]
-  inv = 1.0 / (1e6 ** (jnp.arange(0, D, 2, dtype=jnp.float32) / D))
+  inv = 1.0 / (1e6 ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
   ang = pos[..., None].astype(jnp.float32) * inv
   return jnp.cos(ang), jnp.sin(ang)
 
@@ -70,6 +71,26 @@ def tuning_dict(tuning):
     return {}
   block_w, splits, warps, stages = tuning
   return dict(block_w=block_w, splits=splits, num_warps=warps, num_stages=stages)
+
+
+def chain_us(call, kcs, vcs, qkv):
+  """(GPU us per call, caches) of `call(qkv[i], kcs[i], vcs[i]) -> (out,
+  kc, vc)` over the layers, in one jit with the caches donated (written in
+  place): the fastest of 3 chains after a warm-up."""
+  def chain(kcs, vcs, qkv):
+    outs, kcs, vcs = [], list(kcs), list(vcs)
+    for i in range(len(kcs)):
+      o, kcs[i], vcs[i] = call(qkv[i], kcs[i], vcs[i])
+      outs.append(o[:, 0, 0])
+    return jnp.stack(outs), kcs, vcs
+  fn = jax.jit(chain, donate_argnums=(0, 1))
+  _, kcs, vcs = jax.block_until_ready(fn(kcs, vcs, qkv))  # compile + warm-up
+  with DeviceTimer() as timer:
+    for _ in range(3):
+      with timer.window("chain"):
+        _, kcs, vcs = jax.block_until_ready(fn(kcs, vcs, qkv))
+  busy = min(timer.ms("chain") or [float("nan")])
+  return busy * 1e3 / len(kcs), kcs, vcs
 
 
 def measure(b, window, t, tunings, copy_tbs):
@@ -86,37 +107,34 @@ def measure(b, window, t, tunings, copy_tbs):
   cos, sin = tables(lengths, t)
   want, wk, wv = window_attention_reference(qkv[0], kcs[0], vcs[0], lengths, cos, sin,
                                             n_sink=SINK, n_window=window)
-  want = want.astype(jnp.float32)
   read_bytes = b * HKV * (SINK + window) * D * 2 * 2
   base = dict(batch=b, window=window, t=t, sink=SINK, kv_heads=HKV, group=G, head_dim=D,
               context=CONTEXT, read_bytes=read_bytes,
               default=default_tuning(window))
+  run = lambda qkv, kc, vc, **kw: window_attention(qkv, kc, vc, lengths, cos, sin, n_sink=SINK,
+                                                   n_window=window, impl="gpu", **kw)
+  return time_tunings(base, tunings, run, (want, wk, wv), kcs, vcs, qkv, copy_tbs)
+
+
+def time_tunings(base, tunings, run, wanted, kcs, vcs, qkv, copy_tbs):
+  """Per tuning, a record: `run(qkv, kc, vc, **tuning) -> (out, kc, vc)` on
+  layer 0 (copies of its caches) against `wanted` (out, k cache, v cache),
+  then GPU us per call of the chain over every layer (`chain_us`) and its
+  share of the copy bandwidth (`base["read_bytes"]` per call)."""
+  want, wk, wv = wanted
+  want = want.astype(jnp.float32)
   out = []
   for tuning in tunings:
-    rec = dict(base, tuning=tuning_dict(tuning) or "default")
     kw = tuning_dict(tuning)
+    rec = dict(base, tuning=kw or "default")
     try:
-      got, gk, gv = window_attention(qkv[0], jnp.copy(kcs[0]), jnp.copy(vcs[0]), lengths, cos,
-                                     sin, n_sink=SINK, n_window=window, impl="gpu", **kw)
+      got, gk, gv = run(qkv[0], jnp.copy(kcs[0]), jnp.copy(vcs[0]), **kw)
       rec["max_abs_diff_out"] = float(jnp.max(jnp.abs(got.astype(jnp.float32) - want)))
       rec["caches_equal"] = bool(jnp.array_equal(gk, wk) & jnp.array_equal(gv, wv))
-
-      def chain(kcs, vcs, qkv, kw=kw):
-        outs, kcs, vcs = [], list(kcs), list(vcs)
-        for i in range(LAYERS):
-          o, kcs[i], vcs[i] = window_attention(qkv[i], kcs[i], vcs[i], lengths, cos, sin,
-                                               n_sink=SINK, n_window=window, impl="gpu", **kw)
-          outs.append(o[:, 0, 0])
-        return jnp.stack(outs), kcs, vcs
-      fn = jax.jit(chain, donate_argnums=(0, 1))
-      _, kcs, vcs = jax.block_until_ready(fn(kcs, vcs, qkv))  # compile + warm-up
-      with DeviceTimer() as timer:
-        for _ in range(3):
-          with timer.window("chain"):
-            _, kcs, vcs = jax.block_until_ready(fn(kcs, vcs, qkv))
-      busy = min(timer.ms("chain") or [float("nan")])
-      rec["us_per_call"] = busy * 1e3 / LAYERS
-      rec["share_of_copy_bw"] = read_bytes / (rec["us_per_call"] * 1e-6) / (copy_tbs * 1e12)
+      rec["us_per_call"], kcs, vcs = chain_us(lambda q, kc, vc, kw=kw: run(q, kc, vc, **kw),
+                                              kcs, vcs, qkv)
+      rec["share_of_copy_bw"] = (base["read_bytes"] / (rec["us_per_call"] * 1e-6)
+                                 / (copy_tbs * 1e12))
     except Exception as e:  # reported, not fatal
       rec["error"] = f"{type(e).__name__}: {str(e)[:600]}"
     print(json.dumps(rec), flush=True)

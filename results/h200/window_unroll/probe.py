@@ -39,7 +39,6 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", ".."
 sys.path.insert(0, ROOT)
 from kernels.sparse_verify.ops import sparse_verify_packed  # noqa: E402
 from kernels.sparse_verify.reference import sparse_verify_packed_reference  # noqa: E402
-from scripts.benchmarking import DeviceTimer  # noqa: E402
 
 _spec = importlib.util.spec_from_file_location(
     "window_tuning_probe", os.path.join(ROOT, "results/h200/window_tuning/probe.py"))
@@ -75,46 +74,14 @@ def measure_listed(b, t, k, tunings, copy_tbs, hkv=4, g=7, d=128):
   qkv = jax.random.normal(keys[2], (LAYERS, b, t, hkv, g + 2, d), jnp.bfloat16)
   idx = jnp.sort(jax.vmap(lambda kk, n: jax.random.choice(kk, n, (k,), replace=False))(
       jax.random.split(keys[3], b), lengths).astype(jnp.int32), axis=-1)
-  pos = lengths[:, None] + jnp.arange(t)[None]
-  inv = 1.0 / (1e6 ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
-  ang = pos[..., None].astype(jnp.float32) * inv
-  cos, sin = jnp.cos(ang), jnp.sin(ang)
+  cos, sin = wt.tables(lengths, t, d)
   want, wk, wv = sparse_verify_packed_reference(qkv[0], kcs[0], vcs[0], lengths, idx, cos, sin)
-  want = want.astype(jnp.float32)
   read_bytes = b * hkv * (k + t) * d * 2 * 2
   base = dict(kind="listed", batch=b, t=t, k=k, kv_heads=hkv, group=g, head_dim=d,
               context=CONTEXT, read_bytes=read_bytes)
-  out = []
-  for tuning in tunings:
-    kw = dict(tuning or {})
-    rec = dict(base, tuning=kw or "default")
-    try:
-      got, gk, gv = sparse_verify_packed(qkv[0], jnp.copy(kcs[0]), jnp.copy(vcs[0]), lengths,
-                                         idx, cos, sin, impl="gpu", **kw)
-      rec["max_abs_diff_out"] = float(jnp.max(jnp.abs(got.astype(jnp.float32) - want)))
-      rec["caches_equal"] = bool(jnp.array_equal(gk, wk) & jnp.array_equal(gv, wv))
-
-      def chain(kcs, vcs, qkv, kw=kw):
-        outs, kcs, vcs = [], list(kcs), list(vcs)
-        for i in range(LAYERS):
-          o, kcs[i], vcs[i] = sparse_verify_packed(qkv[i], kcs[i], vcs[i], lengths, idx, cos,
-                                                   sin, impl="gpu", **kw)
-          outs.append(o[:, 0, 0])
-        return jnp.stack(outs), kcs, vcs
-      fn = jax.jit(chain, donate_argnums=(0, 1))
-      _, kcs, vcs = jax.block_until_ready(fn(kcs, vcs, qkv))
-      with DeviceTimer() as timer:
-        for _ in range(3):
-          with timer.window("chain"):
-            _, kcs, vcs = jax.block_until_ready(fn(kcs, vcs, qkv))
-      busy = min(timer.ms("chain") or [float("nan")])
-      rec["us_per_call"] = busy * 1e3 / LAYERS
-      rec["share_of_copy_bw"] = read_bytes / (rec["us_per_call"] * 1e-6) / (copy_tbs * 1e12)
-    except Exception as e:  # reported, not fatal
-      rec["error"] = f"{type(e).__name__}: {str(e)[:600]}"
-    print(json.dumps(rec), flush=True)
-    out.append(rec)
-  return out
+  run = lambda qkv, kc, vc, **kw: sparse_verify_packed(qkv, kc, vc, lengths, idx, cos, sin,
+                                                       impl="gpu", **kw)
+  return wt.time_tunings(base, tunings, run, (want, wk, wv), kcs, vcs, qkv, copy_tbs)
 
 
 def best(records, tol):
