@@ -131,6 +131,9 @@ def time_tunings(base, tunings, run, wanted, kcs, vcs, qkv, copy_tbs):
       got, gk, gv = run(qkv[0], jnp.copy(kcs[0]), jnp.copy(vcs[0]), **kw)
       rec["max_abs_diff_out"] = float(jnp.max(jnp.abs(got.astype(jnp.float32) - want)))
       rec["caches_equal"] = bool(jnp.array_equal(gk, wk) & jnp.array_equal(gv, wv))
+      rec["cache_max_abs_diff"] = max(
+          float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))
+          for a, b in ((gk, wk), (gv, wv)))
       rec["us_per_call"], kcs, vcs = chain_us(lambda q, kc, vc, kw=kw: run(q, kc, vc, **kw),
                                               kcs, vcs, qkv)
       rec["share_of_copy_bw"] = (base["read_bytes"] / (rec["us_per_call"] * 1e-6)
