@@ -176,11 +176,14 @@ def _kernel(len_ref, *refs, T, G, Hq, Hkv, M, TB, D, S, n_sink, NS, n_window,
     n_tiles = pl.cdiv(K, BW)
 
     def tile_pos(i):
-      e = (p + i * P) * BW + jnp.arange(BW, dtype=jnp.int32)
+      e0 = (p + i * P) * BW
+      e = e0 + jnp.arange(BW, dtype=jnp.int32)
       in_list = e < K
-      # an index vector, not a slice: with `unroll` the start is static and
-      # a block past K must stay a masked load
-      ctx = plt.load(idx_ref.at[b, jnp.where(in_list, e, 0)], mask=in_list, other=-1)
+      if unroll:  # the start may be static: a block past K stays a masked load
+        at = idx_ref.at[b, jnp.where(in_list, e, 0)]
+      else:
+        at = idx_ref.at[b, pl.ds(e0, BW)]
+      ctx = plt.load(at, mask=in_list, other=-1)
       return jnp.where((ctx >= 0) & (ctx < L), ctx, -1)
   else:
     w0 = jnp.maximum(L - n_window, n_sink)
