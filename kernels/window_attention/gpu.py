@@ -196,7 +196,8 @@ def _kernel(len_ref, *refs, T, G, Hq, Hkv, M, TB, D, S, n_sink, NS, n_window,
   if unroll:
     # Every tile this program can own, loaded before any math: the tile
     # count's static bound, tiles past `mine` all -1 (masked loads, no
-    # traffic). All of a program's bytes are then in flight at once.
+    # traffic): the index loads first, then the row loads, so all of a
+    # program's bytes are in flight at once.
     n_static = common.cdiv(common.cdiv(K if listed else n_window, BW), P)
     poss = [tile_pos(i) for i in range(n_static)]
     tiles = [load_rows(pos) for pos in poss]

@@ -189,7 +189,6 @@ def variant(shape, name, options, out, salt=False):
 
 def sweep(args):
   recs = []
-  t_start = time.time()
   copy_tbs = measure_copy_tbs()
   meta = dict(device=jax.devices()[0].device_kind, jax=jax.__version__, copy_tbs=copy_tbs,
               xla_flags=os.environ.get("XLA_FLAGS", ""))
