@@ -192,10 +192,11 @@ def _kernel(len_ref, *refs, T, G, Hq, Hkv, M, TB, D, S, n_sink, NS, n_window,
     def tile_pos(i):
       pos = w0 + (p + i * P) * BW + jnp.arange(BW, dtype=jnp.int32)
       return jnp.where(pos < L, pos, -1)
+  # The number of tiles this program owns (the loop forms' trip count).
   mine = n_tiles if P == 1 else pl.cdiv(jnp.maximum(n_tiles - p, 0), P)
   if unroll:
     # Every tile this program can own, loaded before any math: the tile
-    # count's static bound, tiles past `mine` all -1 (masked loads, no
+    # count's static bound, tiles past those it owns all -1 (masked loads, no
     # traffic): the index loads first, then the row loads, so all of a
     # program's bytes are in flight at once.
     n_static = common.cdiv(common.cdiv(K if listed else n_window, BW), P)
