@@ -192,11 +192,9 @@ def _kernel(len_ref, *refs, T, G, Hq, Hkv, M, TB, D, S, n_sink, NS, n_window,
     def tile_pos(i):
       pos = w0 + (p + i * P) * BW + jnp.arange(BW, dtype=jnp.int32)
       return jnp.where(pos < L, pos, -1)
-  # The number of tiles this program owns (the loop forms' trip count).
-  mine = n_tiles if P == 1 else pl.cdiv(jnp.maximum(n_tiles - p, 0), P)
   if unroll:
     # Every tile this program can own, loaded before any math: the tile
-    # count's static bound, tiles past those it owns all -1 (masked loads, no
+    # count's static bound, tiles past its own all -1 (masked loads, no
     # traffic): the index loads first, then the row loads, so all of a
     # program's bytes are in flight at once.
     n_static = common.cdiv(common.cdiv(K if listed else n_window, BW), P)
@@ -219,19 +217,21 @@ def _kernel(len_ref, *refs, T, G, Hq, Hkv, M, TB, D, S, n_sink, NS, n_window,
   if unroll:
     for tile in tiles:
       carry = attend(carry, *tile)
-  elif prefetch:
-    # Tile i + 1's loads are issued before tile i's math, so its index ->
-    # row-gather latency overlaps that math (past the last tile every row
-    # is -1: masked loads, no traffic).
-    def step(i, c):
-      nxt = load_rows(tile_pos(i + 1))
-      return attend(c[:3], *c[3:]) + nxt
-
-    carry = lax.fori_loop(0, mine, step, carry + ahead)[:3]
   else:
-    carry = lax.fori_loop(0, mine,
-                          lambda i, c: attend(c, *load_rows(tile_pos(i))),
-                          carry)
+    mine = n_tiles if P == 1 else pl.cdiv(jnp.maximum(n_tiles - p, 0), P)
+    if prefetch:
+      # Tile i + 1's loads are issued before tile i's math, so its index ->
+      # row-gather latency overlaps that math (past the last tile every row
+      # is -1: masked loads, no traffic).
+      def step(i, c):
+        nxt = load_rows(tile_pos(i + 1))
+        return attend(c[:3], *c[3:]) + nxt
+
+      carry = lax.fori_loop(0, mine, step, carry + ahead)[:3]
+    else:
+      carry = lax.fori_loop(0, mine,
+                            lambda i, c: attend(c, *load_rows(tile_pos(i))),
+                            carry)
 
   o, m, l = carry
   if P == 1:
