@@ -72,8 +72,8 @@ def measure_listed(b, t, k, tunings, copy_tbs, hkv=4, g=7, d=128):
   vcs = [jax.random.normal(kk, (b, hkv, s, d), jnp.bfloat16)
          for kk in jax.random.split(keys[1], LAYERS)]
   qkv = jax.random.normal(keys[2], (LAYERS, b, t, hkv, g + 2, d), jnp.bfloat16)
-  idx = jnp.sort(jax.vmap(lambda kk, n: jax.random.choice(kk, n, (k,), replace=False))(
-      jax.random.split(keys[3], b), lengths).astype(jnp.int32), axis=-1)
+  idx = jnp.asarray(np.sort(np.stack([rng.choice(int(n), k, replace=False)
+                                       for n in np.asarray(lengths)]), axis=-1), jnp.int32)
   cos, sin = wt.tables(lengths, t, d)
   want, wk, wv = sparse_verify_packed_reference(qkv[0], kcs[0], vcs[0], lengths, idx, cos, sin)
   read_bytes = b * hkv * (k + t) * d * 2 * 2
