@@ -53,7 +53,21 @@ class Model(NamedTuple):
     return Model(self.cfg, *nnx.split(module))
 
 
+  def with_draft_head(self, head: str) -> "Model":
+    """This model as a draft whose LM head is `head`: "native" (its own
+    matrix, in its dtype) or "int8" (`Decoder.quantize_head`: int8 rows
+    with per-row scales, half the bytes a draft pass reads there)."""
+    if head not in DRAFT_HEADS:
+      raise ValueError(f"draft_head must be one of {DRAFT_HEADS}, got {head!r}")
+    if head == "native":
+      return self
+    module = nnx.merge(self.graphdef, self.state)
+    module.quantize_head()
+    return Model(self.cfg, *nnx.split(module))
+
+
 DRAFT_MLPS = ("auto", "xla", "kernel", "kernel_prefetch", "seam", "seam_mosaic")
+DRAFT_HEADS = ("native", "int8")
 
 
 def resolve_draft_mlp(mode: str, cfg: ModelConfig, mesh=None) -> str:

@@ -21,7 +21,7 @@ from dustin_jax import sharding, weights
 from dustin_jax.assets import MODELS, AssetError, ensure_model
 from dustin_jax.assets import load_tokenizer as gguf_tokenizer
 from dustin_jax.config import CheckpointError, ConfigError, ModelConfig
-from dustin_jax.decoding import (DRAFT_MLPS, InputError, Model, check_lengths,
+from dustin_jax.decoding import (DRAFT_HEADS, DRAFT_MLPS, InputError, Model, check_lengths,
                                  resolve_draft_mlp)
 from dustin_jax.gguf_file import read_gguf_config
 from dustin_jax.models.prefill import bucket_len
@@ -45,7 +45,8 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 JSONL_EXAMPLE = '{"prompt": "..."}'
 # the config's choices and lower bounds, checked first
 ONE_OF = (("method", ("speculative", "vanilla")), ("dtype", ("bfloat16", "float32")),
-          ("impl", IMPLS), ("draft_kv", DRAFT_KV_MODES), ("draft_mlp", DRAFT_MLPS))
+          ("impl", IMPLS), ("draft_kv", DRAFT_KV_MODES), ("draft_mlp", DRAFT_MLPS),
+          ("draft_head", DRAFT_HEADS))
 AT_LEAST = (("gamma", 1), ("max_new_tokens", 1), ("max_len", 2), ("prefill_block", 1),
             ("seed", 0))
 
@@ -225,7 +226,8 @@ def plan_memory(c, mesh, target_cfg, draft_cfg, batch: int, prompt_len: int):
   cap = int(c.mesh.device_memory_gib * 2**30) or sharding.device_capacity()
   plan = sharding.memory_plan(target_cfg, draft_cfg, batch=batch, max_len=c.max_len,
                               data=mesh.shape["data"], model=mesh.shape["model"], gamma=c.gamma,
-                              capacity=cap, prompt_len=prompt_len, token_block=c.prefill_block)
+                              capacity=cap, prompt_len=prompt_len, token_block=c.prefill_block,
+                              draft_int8_head=c.draft_head == "int8")
   print(plan.table(), flush=True)
   try:
     sharding.check_fits(plan)
@@ -440,6 +442,7 @@ def build(c) -> Run:
   draft = load_model(c.draft, c, "draft", mesh)[0] if speculative else None
   if speculative:
     draft = draft.with_draft_mlp(resolve_draft_mlp(c.draft_mlp, draft.cfg, mesh))
+    draft = draft.with_draft_head(c.draft_head)
   eos = eos_ids(tokenizer, target.cfg)
   # plain decoding verifies nothing
   policy = make_policy(c, target.cfg, draft.cfg) if speculative else FullCache()

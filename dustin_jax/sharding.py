@@ -57,6 +57,7 @@ _PARAM_AXES = {
     ("gate_up_proj", "kernel"): ("embed", "mlp"),
     ("down_proj", "kernel"): ("mlp", "embed"),
     ("lm_head", "kernel"): ("embed", "vocab"),
+    ("int8_head", "weight"): ("vocab", "embed"), ("int8_head", "scale"): ("vocab",),
 }
 
 
@@ -223,12 +224,14 @@ def _shards(n: int, m: int) -> int:
 def memory_plan(target: ModelConfig, draft: ModelConfig | None, *, batch: int, max_len: int,
                 data: int, model: int, gamma: int = 4, capacity: int | None = None,
                 prompt_len: int | None = None, token_block: int = 8192,
-                f32_prefill_attention: bool = False) -> MemoryPlan:
+                f32_prefill_attention: bool = False,
+                draft_int8_head: bool = False) -> MemoryPlan:
   """Per-device bytes, counted from the shapes alone (before any allocation).
 
   Weights: tensor-parallel matrices split over `model`, norms replicated;
   caches: split over `data` (batch) and `model` (KV heads, after replication);
-  the draft whole on every device (`draft_mesh`);
+  the draft whole on every device (`draft_mesh`), its LM head as int8 rows
+  and f32 scales with `draft_int8_head` (beside a tied embedding);
   workspace: the verify pass's f32 logits, the activations of the widest
   layer and the selection signals; prefill: the layer-major prefill's
   activations over `prompt_len` (default `max_len`) tokens of every
@@ -248,6 +251,13 @@ def memory_plan(target: ModelConfig, draft: ModelConfig | None, *, batch: int, m
       per_layer += qkv // _shards(qkv, model)
     emb = v * d // _shards(v, model) * (1 if cfg.tie_embeddings else 2)
     return (cfg.num_layers * per_layer + emb + d) * el
+
+  def draft_weights(cfg: ModelConfig) -> int:
+    if not draft_int8_head:
+      return weights(cfg, 1)
+    v, d = cfg.vocab_size, cfg.hidden_size
+    untied_head = 0 if cfg.tie_embeddings else v * d * jnp.dtype(cfg.dtype).itemsize
+    return weights(cfg, 1) - untied_head + v * d + 4 * v
 
   def cache(cfg: ModelConfig, model: int) -> int:
     el = jnp.dtype(cfg.dtype).itemsize
@@ -274,7 +284,7 @@ def memory_plan(target: ModelConfig, draft: ModelConfig | None, *, batch: int, m
     return (tokens * (2 * cfg.hidden_size + 2 * q + kv) + mlp) * el + f32
 
   return MemoryPlan(devices=data * model, data=data, model=model,
-                    weights=weights(target, model) + (weights(draft, 1) if draft else 0),
+                    weights=weights(target, model) + (draft_weights(draft) if draft else 0),
                     target_cache=cache(target, model), draft_cache=cache(draft, 1) if draft else 0,
                     workspace=logits + acts + signals, kv_replication=kv_replication(target, model),
                     capacity=capacity, prefill=max(prefill(c) for c in models))

@@ -91,6 +91,9 @@ flags.DEFINE_list("draft_mlps", ["auto"], "the draft's MLPs, each timed per spec
                   "kernel_prefetch (the kernel, sending the next layer's q/k/v and o to "
                   "L2; auto: wherever it runs, as the CLI) | seam | seam_mosaic (see "
                   "dustin_jax.decoding.resolve_draft_mlp)")
+flags.DEFINE_list("draft_heads", ["native"], "the draft's LM head, each timed per speculative "
+                  "method: native (its own matrix) | int8 (int8 rows with per-row scales, "
+                  "dustin_jax.decoding.Model.with_draft_head)")
 flags.DEFINE_list("draft_windows", [str(SpecConfig().draft_window)], "recent rows of the "
                   "streaming draft cache (after its sink rows), each timed per method that "
                   "streams its draft and priced with the tau measured at that window")
@@ -162,6 +165,9 @@ def bench_spec(target, draft, tcache, dcache, context, cfg, repeats, phases=True
           st.target, st.draft)
 
 
+full_draft = ("full", None, None)
+
+
 def price_all(records, taus, tau_path):
   """tau, tokens/s and speedups of every timed record against the vanilla
   step of its (model, batch, gamma, context); also on GPU time: what a host
@@ -169,7 +175,6 @@ def price_all(records, taus, tau_path):
   where = lambda r: (r["model"], r["batch"], r["gamma"], r["context"])
   vanilla = {where(r): r for r in records if r["method"] == "vanilla" and r.get("step_ms")}
   # every method but sd_full runs a streaming draft cache of SpecConfig's sink and window
-  full_draft = ("full", None, None)
   for r in (r for r in records if r.get("step_ms")):
     method, v = r["method"], vanilla.get(where(r), {})
     if method.startswith("vanilla"):
@@ -178,17 +183,22 @@ def price_all(records, taus, tau_path):
       pol = POLICY[method]
       key = (pol, r["gamma"], r["budget"] if pol != "full" else 0)
       streaming = method != "sd_full"
-      draft = ("streaming", r["draft_sink"], r["draft_window"]) if streaming else full_draft
-      # the tau measured with this method's draft cache, else the full-cache draft's
-      t = taus.get(key + draft) or taus.get(key + full_draft)
+      head = r.get("draft_head") or "native"
+      cache = ("streaming", r["draft_sink"], r["draft_window"]) if streaming else full_draft
+      # the tau measured with this method's draft (cache and head), else with
+      # its cache and the native head, else the full-cache native draft's
+      t = next((taus[key + d] for d in (cache + (head,), cache + ("native",),
+                                        full_draft + ("native",)) if key + d in taus), None)
       source = (f"{tau_path}: real pair qwen2.5-coder-1.5b + 0.5b, context {t.get('context')}, "
                 f"{t.get('source', '')}" if t else "not measured")
-      if t and tau_draft_cache(t) != draft:
+      if t and tau_draft_cache(t)[:3] != cache:
         source += ("; measured with a full-cache draft (this method's streaming draft cache "
                    "was not used for tau)")
       elif t and streaming:
         source += (f"; measured with a streaming draft cache ({t.get('draft_sink')} sink + "
                    f"{t.get('draft_window')} recent rows)")
+      if t and tau_draft_cache(t)[3] != head:
+        source += f"; measured with the draft's native LM head (this run's: {head})"
       r.update(tau=t["tau"] if t else None, tau_source=source)
     tau, step, gpu = r["tau"], r["step_ms"], r.get("gpu_ms")
     v_step, v_gpu = v.get("step_ms"), v.get("gpu_ms")
@@ -209,10 +219,11 @@ def bench_model(name, contexts, mesh, deadline, records, save, copy_tbs=None):
   dcfg = ModelConfig.from_hf(dict(dhf), dtype="bfloat16", num_layers=layers)
   dmesh = sharding.draft_mesh(mesh)
   target = random_model(tcfg, 0, mesh)
-  drafts = {}  # the same weights in each
+  drafts = {}  # (MLP mode, LM head) -> the draft: the same weights in each
   for mode in dict.fromkeys(resolve_draft_mlp(m, dcfg, mesh) for m in FLAGS.draft_mlps):
-    draft = random_model(dcfg, 1, dmesh)
-    drafts[mode] = draft.with_draft_mlp(mode)
+    for head in dict.fromkeys(FLAGS.draft_heads):
+      draft = random_model(dcfg, 1, dmesh)
+      drafts[mode, head] = draft.with_draft_mlp(mode).with_draft_head(head)
   tcfg, dcfg = target.cfg, draft.cfg
   max_ctx = max(contexts)
   for batch in (int(b) for b in FLAGS.batches):
@@ -245,13 +256,14 @@ def bench_model(name, contexts, mesh, deadline, records, save, copy_tbs=None):
                                            n_sink=FLAGS.n_sink, n_window=FLAGS.n_window,
                                            m=FLAGS.m), tcfg, dcfg)
         windows = [None] if method == "sd_full" else [int(w) for w in FLAGS.draft_windows]
-        runs = [(c, None, None) for c in contexts] if method.startswith("vanilla") else [
-            (c, mode, w) for c in contexts for mode in drafts for w in windows]
-        for context, draft_mlp, window in runs:
+        runs = [(c, (None, None), None) for c in contexts] if method.startswith("vanilla") else [
+            (c, variant, w) for c in contexts for variant in drafts for w in windows]
+        for context, (draft_mlp, draft_head), window in runs:
           if method == "vanilla_xla" and context != max_ctx:
             continue  # XLA reads the whole buffer: only fair where context fills it
           rec = dict(method=method, model=name, batch=batch, context=context, gamma=gamma,
                      budget=FLAGS.budget if method in SPARSE else None, draft_mlp=draft_mlp,
+                     draft_head=draft_head,
                      draft_sink=SpecConfig().draft_sink if window is not None else None,
                      draft_window=window,
                      target_layers=tcfg.num_layers, device=jax.devices()[0].device_kind,
@@ -266,14 +278,15 @@ def bench_model(name, contexts, mesh, deadline, records, save, copy_tbs=None):
                                draft_kv="full" if method == "sd_full" else "streaming",
                                draft_window=window if window is not None else
                                SpecConfig().draft_window)
-              times, tcache, dcache = bench_spec(target, drafts[draft_mlp], tcache, dcache,
+              times, tcache, dcache = bench_spec(target, drafts[draft_mlp, draft_head], tcache, dcache,
                                                  context, cfg,
                                                  FLAGS.repeats, str(batch) in FLAGS.phase_batches)
             rec.update(times)
             rec["floor_bytes"] = floor_bytes(method, tcfg, dcfg, batch, context, gamma,
                                              FLAGS.budget, policy, ways=FLAGS.mesh_model,
                                              draft_rows=cfg.draft_sink + cfg.draft_window
-                                             if window is not None else None)
+                                             if window is not None else None,
+                                             draft_head=draft_head or "native")
             floor_time(rec, copy_tbs)
           except Exception as e:  # noqa: BLE001 -- record and go on: one bad config
             rec["error"] = f"{type(e).__name__}: {e}"[:500]
@@ -341,18 +354,19 @@ def save_plot(records, path):
   for r in sorted(records, key=lambda r: r.get("context", 0)):
     if r.get("step_ms") and not r.get("error") and r["method"] != "vanilla":
       series = panels.setdefault(r["model"], {})
-      series.setdefault((r["method"], r["batch"], r["gamma"]), []).append(r)
+      head = r.get("draft_head") or "native"
+      series.setdefault((r["method"], r["batch"], r["gamma"], head), []).append(r)
   if not panels:
     return
   fig, axes = pyplot().subplots(1, len(panels), figsize=(10 * len(panels), 5.5), squeeze=False)
   for ax, (model, series) in zip(axes[0], sorted(panels.items())):
-    for (method, batch, gamma), line in sorted(series.items()):
+    for (method, batch, gamma, head), line in sorted(series.items()):
       pts = [(r["context"], r["speedup_vs_vanilla"] or r["step_speedup_vs_vanilla"])
              for r in line]
       pts = [p for p in pts if p[1]]
       if not pts:
         continue
-      label = f"{method} B{batch} γ{gamma}"
+      label = f"{method} B{batch} γ{gamma}" + ("" if head == "native" else f" {head} head")
       color = _METHOD_COLOR.get(method, "black")
       ax.plot(*zip(*pts), label=label, color=color, ls=_BATCH_LS.get(batch, "-"),
               marker=_GAMMA_MARKER.get(gamma, "o"))

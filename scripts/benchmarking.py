@@ -215,10 +215,12 @@ def steady_step_seconds(step, carry, n: int, pairs: int = STEADY_PAIRS):
 
 
 def tau_draft_cache(record: dict) -> tuple:
-  """The draft cache a tau record was measured with: ("full", None, None)
-  or ("streaming", sink rows, recent rows); records without the fields are
-  a full-cache draft's."""
-  return (record.get("draft_kv", "full"), record.get("draft_sink"), record.get("draft_window"))
+  """The draft a tau record was measured with: its cache, ("full", None,
+  None) or ("streaming", sink rows, recent rows), and its LM head ("native"
+  or "int8"); records without the fields are a full-cache draft's with its
+  native head."""
+  return (record.get("draft_kv", "full"), record.get("draft_sink"), record.get("draft_window"),
+          record.get("draft_head") or "native")
 
 
 def write_json(path: str, obj) -> None:
@@ -303,15 +305,21 @@ def spec_state_at(tcache, dcache, context: int, policy, mesh=None):
 
 
 def floor_bytes(method, tcfg, dcfg, batch, context, gamma, budget, policy, ways=1,
-                draft_rows=None):
+                draft_rows=None, draft_head="native"):
   """The fewest HBM bytes one device must move in a step: weights once per
   forward, the KV rows each forward attends to, the SRH keys the estimation
   scores (once per step: the draft's gamma queries are scored in one call).
   The target's weights and KV are split `ways` ways (tensor parallel); the
   draft runs whole on every device. `draft_rows`: the streaming draft
-  cache's sink + window rows (default SpecConfig's)."""
+  cache's sink + window rows (default SpecConfig's). `draft_head` "int8":
+  the draft's LM head read as int8 rows and f32 row scales."""
   def weights(c):
     return c.num_params() * 2
+  def draft_weights(c):
+    if draft_head != "int8":
+      return weights(c)
+    v, d = c.vocab_size, c.hidden_size
+    return weights(c) - v * d * 2 + v * d + 4 * v
   def kv(c, rows):
     return c.kv_bytes_per_token(2) * rows * batch
   if method.startswith("vanilla"):
@@ -319,7 +327,7 @@ def floor_bytes(method, tcfg, dcfg, batch, context, gamma, budget, policy, ways=
   if draft_rows is None:
     draft_rows = SpecConfig().draft_sink + SpecConfig().draft_window
   draft_rows = context if method == "sd_full" else min(context, draft_rows)
-  out = {"draft": gamma * (weights(dcfg) + kv(dcfg, draft_rows))}
+  out = {"draft": gamma * (draft_weights(dcfg) + kv(dcfg, draft_rows))}
   rows = context if method.startswith("sd_") else budget
   out["verify"] = (weights(tcfg) + kv(tcfg, rows + gamma + 1)) // ways
   if policy is not None and hasattr(policy, "draft_heads"):

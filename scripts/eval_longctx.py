@@ -60,6 +60,8 @@ flags.DEFINE_list("gammas", ["2", "4", "6"], "gammas of --only_tau")
 flags.DEFINE_enum("draft_kv", "full", ["full", "streaming"], "the draft's cache in --only_tau: "
                   "full, or streaming (--draft_sink first and --draft_window last rows, "
                   "as the benchmarks' fast step runs it)")
+flags.DEFINE_enum("draft_head", "native", ["native", "int8"], "the draft's LM head in "
+                  "--only_tau: its own matrix or int8 rows with per-row scales")
 flags.DEFINE_integer("draft_sink", SpecConfig().draft_sink, "sink rows of a streaming draft cache")
 flags.DEFINE_integer("draft_window", SpecConfig().draft_window, "recent rows of a streaming draft cache")
 flags.DEFINE_integer("gamma", 4, "gamma of the main evaluation")
@@ -166,6 +168,9 @@ def run_tau(pair):
   draft = dict(draft_kv=FLAGS.draft_kv)
   if window:
     draft.update(draft_sink=window[0], draft_window=window[1])
+  if FLAGS.draft_head != "native":
+    draft.update(draft_head=FLAGS.draft_head)
+    pair.draft = pair.draft.with_draft_head(FLAGS.draft_head)
   for name in FLAGS.policies:
     b = 0 if name == "full" else budget
     heads = f"; heads: {srh or 'default (not profiled)'}" if name.startswith("dustin") else ""

@@ -32,7 +32,7 @@ import jax
 from configs import shapes
 from dustin_jax import sharding
 from dustin_jax.config import ModelConfig, append_xla_flags
-from dustin_jax.decoding import DRAFT_MLPS, resolve_draft_mlp
+from dustin_jax.decoding import DRAFT_HEADS, DRAFT_MLPS, resolve_draft_mlp
 from dustin_jax.selection.policies import policy_from_config
 from dustin_jax.speculative.step import SpecConfig, bind_spec_step
 from dustin_jax.vanilla import VanillaState, bind_vanilla_step
@@ -65,6 +65,8 @@ flags.DEFINE_enum("draft_mlp", "auto", list(DRAFT_MLPS), "the draft's MLPs: XLA'
                   "GEMMs, one kernel per layer pass (kernels.swiglu_mlp, Hopper), that "
                   "kernel sending the next layer's q/k/v and o to L2, or auto (the "
                   "latter wherever it runs, as the CLI)")
+flags.DEFINE_enum("draft_head", "native", list(DRAFT_HEADS), "the draft's LM head: its own "
+                  "matrix or int8 rows with per-row scales")
 flags.DEFINE_bool("timeline", False, "also write the dustin steps' kernels in start order "
                   "(<out_name>.timeline.json.gz: start and duration in us from the first "
                   "kernel, stream, kernel name, phase) and their plot (.timeline.png): "
@@ -156,14 +158,15 @@ def main(argv):
   dcfg = ModelConfig.from_hf(dict(dhf), dtype="bfloat16", num_layers=layers)
   target, draft = random_model(tcfg, 0, mesh), random_model(dcfg, 1, dmesh)
   draft_mlp = resolve_draft_mlp(FLAGS.draft_mlp, dcfg, mesh)
-  draft = draft.with_draft_mlp(draft_mlp)
+  draft = draft.with_draft_mlp(draft_mlp).with_draft_head(FLAGS.draft_head)
   tcfg, dcfg = target.cfg, draft.cfg
   # lengths grow as steps commit: room for every step this script runs
   n_steps = 2 + steady_step_count(FLAGS.asrun_steps) + FLAGS.steps
   # whole tiles of rows (TMA kernels want a multiple of 8)
   max_len = round_up(ctx + (n_steps + 2) * (FLAGS.gamma + 1) + 8, 128)
   out = {"device": jax.devices()[0].device_kind, "devices": FLAGS.mesh_model,
-         "model": FLAGS.model, "draft_mlp": draft_mlp, "batch": b, "context": ctx, "gamma": FLAGS.gamma,
+         "model": FLAGS.model, "draft_mlp": draft_mlp,
+         "draft_head": FLAGS.draft_head, "batch": b, "context": ctx, "gamma": FLAGS.gamma,
          "jax_version": jax.__version__, "xla_flags": os.environ.get("XLA_FLAGS", "")}
 
   vstep = bind_vanilla_step(target, mesh=mesh)

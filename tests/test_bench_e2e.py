@@ -17,13 +17,16 @@ def test_bench_e2e_smoke_schema(tmp_path):
                              {"policy": "dustin", "gamma": 2, "budget": 32, "tau": 1.75,
                               "draft_kv": "streaming", "draft_sink": 16, "draft_window": 496},
                              {"policy": "dustin", "gamma": 2, "budget": 32, "tau": 1.5,
-                              "draft_kv": "streaming", "draft_sink": 16, "draft_window": 2032}]))
+                              "draft_kv": "streaming", "draft_sink": 16, "draft_window": 2032},
+                             {"policy": "dustin", "gamma": 2, "budget": 32, "tau": 1.25,
+                              "draft_kv": "streaming", "draft_sink": 16, "draft_window": 2032,
+                              "draft_head": "int8"}]))
   # --repeats=2: step_ms is a slope between queues of 2 and 6 steps, each
   # tiny CPU step well under a millisecond: one step's queue is within the noise
   argv = [sys.executable, "-m", "scripts.bench_e2e", "--smoke", "--models=tiny", f"--out_dir={tmp_path}", "--batches=2",
           "--gammas=2", "--repeats=2", "--budget=32", "--n_sink=4", "--n_window=8", "--m=8", f"--tau_json={tau}",
           "--tau_context=64", "--methods=vanilla,sd_full,dustin,dustin_draft",
-          "--draft_windows=496,2032"]
+          "--draft_windows=496,2032", "--draft_heads=native,int8"]
   p = subprocess.run(argv, capture_output=True, text=True, timeout=600)
   assert p.returncode == 0, p.stderr[-2000:]
   recs = json.loads((tmp_path / "e2e.json").read_text())
@@ -44,11 +47,19 @@ def test_bench_e2e_smoke_schema(tmp_path):
   assert ablation["tau_source"] == "not measured" and ablation["floor_bytes"]["estimate"] > 0
   # dustin runs a streaming draft cache of 16 + each window's rows: the tau
   # measured with that one prices it; sd_full's draft cache is whole
-  for window, tau in ((496, 1.75), (2032, 1.5)):
-    ours = [r for r in recs if r["method"] == "dustin" and r["draft_window"] == window]
+  # (and that LM head; where no tau of the int8 head is measured, the native's)
+  for window, head, tau in ((496, "native", 1.75), (2032, "native", 1.5), (496, "int8", 1.75),
+                            (2032, "int8", 1.25)):
+    ours = [r for r in recs if r["method"] == "dustin" and r["draft_window"] == window
+            and r["draft_head"] == head]
     assert len(ours) == 2 and all(r["tau"] == tau and r["draft_sink"] == 16 for r in ours)
     assert f"streaming draft cache (16 sink + {window}" in ours[0]["tau_source"]
-  assert sd["draft_window"] is None and len([r for r in recs if r["method"] == "sd_full"]) == 2
+    assert ("native LM head" in ours[0]["tau_source"]) == (head == "int8" and window == 496)
+    native_head = next(r for r in recs if r["method"] == "dustin" and r["draft_window"] == window
+                       and r["draft_head"] == "native")
+    assert ours[0]["floor_bytes"]["draft"] <= native_head["floor_bytes"]["draft"]
+  # sd_full: two contexts, each with both heads
+  assert sd["draft_window"] is None and len([r for r in recs if r["method"] == "sd_full"]) == 4
   van = next(r for r in recs if r["method"] == "vanilla" and r["context"] == sd["context"])
   assert sd["speedup_vs_vanilla"] == pytest.approx(2.5 * van["step_ms"] / sd["step_ms"])
   assert sd["tokens_per_s"] == pytest.approx(2 * 2.5 / (sd["step_ms"] / 1e3))
@@ -109,6 +120,10 @@ def test_floor_bytes_hand_computed():
                      draft_rows=512)["draft"] == gamma * (dw + dkv * 512 * b)
   assert floor_bytes("dustin", t, d, b, 1000, gamma, budget, policy,
                      draft_rows=2048)["draft"] == gamma * (dw + dkv * 1000 * b)
+  # the draft's LM head as int8 rows (151936 x 896) and f32 row scales
+  v, h = 151936, 896
+  assert floor_bytes("dustin", t, d, b, ctx, gamma, budget, policy, draft_head="int8")[
+      "draft"] == gamma * (dw - 2 * v * h + v * h + 4 * v + dkv * 2048 * b)
 
 
 def test_floor_time_at_the_devices_copy_bandwidth():

@@ -196,3 +196,42 @@ def test_shared_layer_function_is_inlined(tiny_llama):
   lowered = jax.jit(forward).lower(model.state, cache, jnp.zeros((2, 3), jnp.int32))
   assert lowered.as_text().count("call @_block(") == model.cfg.num_layers  # one per layer
   assert " call(" not in lowered.compile().as_text()
+
+
+@pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen"])
+def test_int8_head_rows_within_half_a_step_of_the_matrix(fixture, request, rng):
+  """`Decoder.quantize_head`: each vocabulary row is int8 times one scale,
+  within half a step of the matrix it replaces (its largest entry at 127),
+  so the f32 logits stay within the rows' rounding; the embedding is kept
+  and an untied head's matrix dropped; a second call changes nothing."""
+  from flax import nnx
+  model = load(request.getfixturevalue(fixture)[0])
+  m = nnx.merge(model.graphdef, model.state)
+  w = np.array(m.embed_tokens[...] if m.lm_head is None else m.lm_head.kernel[...].T)
+  m.embed_tokens[...] = m.embed_tokens[...].at[5].set(0.0)  # an all-zero row: scale 1, no NaN
+  if m.lm_head is None:
+    w[5] = 0.0
+  embed = np.asarray(m.embed_tokens[...])
+  hidden = jnp.asarray(rng.standard_normal((3, 2, m.cfg.hidden_size)), jnp.float32)
+  want = np.asarray(m.logits(hidden))
+  m.quantize_head()
+  q, scale = np.asarray(m.int8_head.weight[...]), np.asarray(m.int8_head.scale[...])
+  assert q.dtype == np.int8 and q.shape == w.shape and scale.shape == (w.shape[0],)
+  assert np.all(np.abs(q).max(axis=1)[np.abs(w).max(axis=1) > 0] == 127)
+  assert np.all(np.abs(q * scale[:, None] - w) <= scale[:, None] / 2 * (1 + 1e-5))
+  got = np.asarray(m.logits(hidden))
+  bound = np.abs(np.asarray(hidden)).sum(-1, keepdims=True) * scale / 2  # sum |h_d| |err_vd|
+  assert np.all(np.isfinite(got)) and np.all(np.abs(got - want) <= bound + 1e-5)
+  assert np.abs(got - want).max() > 0  # the rows were rounded: the check above could fail
+  assert m.lm_head is None and np.array_equal(np.asarray(m.embed_tokens[...]), embed)
+  m.quantize_head()
+  np.testing.assert_array_equal(np.asarray(m.logits(hidden)), got)
+
+
+def test_int8_head_is_sharded_over_the_vocabulary():
+  """The int8 rows and their scales split over the mesh's model axis (the
+  vocabulary), as the embedding they come from."""
+  from dustin_jax import sharding
+  assert sharding.param_axes(("int8_head", "weight")) == ("vocab", "embed")
+  assert sharding.param_axes(("int8_head", "scale")) == ("vocab",)
+  assert sharding.param_axes(("int8_head", "weight")) == sharding.param_axes(("embed_tokens",))

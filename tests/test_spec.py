@@ -75,6 +75,19 @@ def test_greedy_speculative_with_one_kernel_draft_mlps_equals_greedy_vanilla(
   assert ours == ref
 
 
+def test_greedy_speculative_with_int8_draft_head_equals_greedy_vanilla(pair, rng):
+  """A draft whose LM head is int8 rows (`with_draft_head("int8")`) only
+  proposes: the target's verification keeps the output its own."""
+  target, draft = pair
+  draft = draft.with_draft_head("int8")
+  prompts = prompts_of(rng, [7, 2, 19])
+  ref, _ = generate(target, prompts, max_new_tokens=20, max_len=64)
+  ours, stats = generate_speculative(target, draft, prompts, max_new_tokens=20, max_len=64,
+                                     cfg=SpecConfig(gamma=4))
+  assert ours == ref
+  assert stats.accepted > 0
+
+
 def test_streaming_draft_is_still_lossless(pair, rng):
   target, draft = pair
   prompts = prompts_of(rng, [30, 12])

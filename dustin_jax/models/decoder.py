@@ -140,6 +140,28 @@ class Linear(nnx.Module):
     return (y + self.bias[...].astype(jnp.float32)).astype(x.dtype)
 
 
+class Int8Head(nnx.Module):
+  """An LM head [vocab, embed] stored as int8 rows with one f32 scale per
+  row (symmetric: the row's largest magnitude maps to 127). A draft only
+  proposes tokens that the target then verifies, so its head may be
+  approximate: the int8 matrix is half the bf16 bytes that each draft
+  pass reads."""
+
+  def __init__(self, w_vd: jax.Array):
+    w = w_vd.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(w), axis=1)
+    scale = jnp.where(amax > 0, amax / 127.0, 1.0)
+    self.weight = nnx.Param(jnp.clip(jnp.round(w / scale[:, None]), -127, 127)
+                            .astype(jnp.int8))
+    self.scale = nnx.Param(scale)
+
+  def __call__(self, hidden: jax.Array) -> jax.Array:
+    # int8 -> hidden's dtype is exact; the row scales apply to the f32 product
+    w = self.weight[...].astype(hidden.dtype)
+    y = jnp.einsum("...d,vd->...v", hidden, w, preferred_element_type=jnp.float32)
+    return y * self.scale[...]
+
+
 class RMSNorm(nnx.Module):
 
   def __init__(self, dim: int, eps: float, dtype):
@@ -359,6 +381,7 @@ class Decoder(nnx.Module):
     self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
     self.lm_head = (None if cfg.tie_embeddings else
                     Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype, rngs=rngs))
+    self.int8_head = None  # the LM head as int8 rows, after `quantize_head()`
     # whether a layer's MLP kernel sends the next layer's q/k/v and o to L2 (`stream_mlps`)
     self.prefetch_next_layer = False
     self.seam_stream = None  # every layer's o, MLP and q/k/v in one stream, after `fuse_seams()`
@@ -520,8 +543,20 @@ class Decoder(nnx.Module):
       layer.mlp.stream()
     self.prefetch_next_layer = prefetch_next_layer
 
+  def quantize_head(self):
+    """The LM head as int8 rows with per-row scales (`Int8Head`), for a
+    draft: it reads half the bytes. The embedding stays for the token
+    lookup; an untied head's matrix is replaced."""
+    if self.int8_head is not None:
+      return
+    w = self.embed_tokens[...] if self.lm_head is None else self.lm_head.kernel[...].T
+    self.int8_head = nnx.data(Int8Head(w))
+    self.lm_head = None
+
   def logits(self, hidden: jax.Array) -> jax.Array:
     """f32 logits [..., vocab] of final hidden states."""
+    if self.int8_head is not None:
+      return self.int8_head(hidden)
     if self.lm_head is None:
       w = self.embed_tokens[...]
       return jnp.einsum("...d,vd->...v", hidden, w, preferred_element_type=jnp.float32)
