@@ -158,6 +158,7 @@ def _refused(*overrides, config="configs/tiny.py"):
     ("--config.draft_mlp=fused",
      "draft_mlp must be one of ('auto', 'xla', 'kernel', 'kernel_prefetch', 'seam', "
      "'seam_mosaic'), got 'fused'"),
+    ("--config.draft_head=fp4", "draft_head must be one of ('native', 'int8'), got 'fp4'"),
     # the tiny draft: hidden size 64, f32
     ("--config.draft_mlp=kernel", "draft_mlp='kernel' runs on one device with hidden_size % 128"),
 ])
@@ -265,6 +266,21 @@ def test_vanilla_method_ignores_the_policy():
   r = run(c)
   assert r["stats"]["tau"] == 1.0 and all(len(s["tokens"]) == c.max_new_tokens
                                           for s in r["sequences"])
+
+
+def test_int8_draft_head_decodes_the_same_tokens():
+  """--config.draft_head=int8: the draft proposes through int8 rows, the
+  target verifies, so greedy decoding emits what the native head's does."""
+  from configs import tiny
+  from scripts.decode import run
+  out = {}
+  for head in ("native", "int8"):
+    c = tiny.get_config()
+    c.draft_head = head
+    out[head] = run(c)
+  assert ([s["tokens"] for s in out["int8"]["sequences"]]
+          == [s["tokens"] for s in out["native"]["sequences"]])
+  assert out["int8"]["stats"]["tau"] > 1.0
 
 
 _SKIP_TEMP = "--xla_gpu_command_buffer_update_mode=SKIP_TEMP"
