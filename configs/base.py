@@ -50,9 +50,9 @@ def base_config() -> ml_collections.ConfigDict:
                                   # resident kernel per layer, opt-in) | seam_mosaic
                                   # (the seam, the attention a Mosaic GPU kernel); auto:
                                   # kernel_prefetch wherever it runs
-  c.draft_head = "native"         # the draft's LM head: native (its own matrix) | int8 (int8
-                                  # rows, per-row scales: half the bytes; the target still
-                                  # verifies every token)
+  c.draft_head = "int8"           # the draft's LM head: int8 (int8 rows, per-row scales: half
+                                  # the bytes; the target still verifies every token) |
+                                  # native (its own matrix)
 
   c.selection = ml_collections.ConfigDict()
   # which KV rows the target verifies against (dustin_jax.selection.policies)

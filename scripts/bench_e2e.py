@@ -91,9 +91,9 @@ flags.DEFINE_list("draft_mlps", ["auto"], "the draft's MLPs, each timed per spec
                   "kernel_prefetch (the kernel, sending the next layer's q/k/v and o to "
                   "L2; auto: wherever it runs, as the CLI) | seam | seam_mosaic (see "
                   "dustin_jax.decoding.resolve_draft_mlp)")
-flags.DEFINE_list("draft_heads", ["native"], "the draft's LM head, each timed per speculative "
-                  "method: native (its own matrix) | int8 (int8 rows with per-row scales, "
-                  "dustin_jax.decoding.Model.with_draft_head)")
+flags.DEFINE_list("draft_heads", ["int8"], "the draft's LM head, each timed per speculative "
+                  "method: int8 (int8 rows with per-row scales, as the CLI) | native (its own "
+                  "matrix); dustin_jax.decoding.Model.with_draft_head")
 flags.DEFINE_list("draft_windows", [str(SpecConfig().draft_window)], "recent rows of the "
                   "streaming draft cache (after its sink rows), each timed per method that "
                   "streams its draft and priced with the tau measured at that window")

@@ -65,8 +65,8 @@ flags.DEFINE_enum("draft_mlp", "auto", list(DRAFT_MLPS), "the draft's MLPs: XLA'
                   "GEMMs, one kernel per layer pass (kernels.swiglu_mlp, Hopper), that "
                   "kernel sending the next layer's q/k/v and o to L2, or auto (the "
                   "latter wherever it runs, as the CLI)")
-flags.DEFINE_enum("draft_head", "native", list(DRAFT_HEADS), "the draft's LM head: its own "
-                  "matrix or int8 rows with per-row scales")
+flags.DEFINE_enum("draft_head", "int8", list(DRAFT_HEADS), "the draft's LM head: int8 rows "
+                  "with per-row scales (as the CLI) or its own matrix")
 flags.DEFINE_bool("timeline", False, "also write the dustin steps' kernels in start order "
                   "(<out_name>.timeline.json.gz: start and duration in us from the first "
                   "kernel, stream, kernel name, phase) and their plot (.timeline.png): "
