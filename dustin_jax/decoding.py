@@ -52,7 +52,6 @@ class Model(NamedTuple):
       module.stream_mlps(prefetch_next_layer=mode != "kernel")
     return Model(self.cfg, *nnx.split(module))
 
-
   def with_draft_head(self, head: str) -> "Model":
     """This model as a draft whose LM head is `head`: "native" (its own
     matrix, in its dtype) or "int8" (`Decoder.quantize_head`: int8 rows

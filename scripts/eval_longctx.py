@@ -37,6 +37,7 @@ from absl import flags
 import numpy as np
 
 from dustin_jax.assets import cache_root
+from dustin_jax.decoding import DRAFT_HEADS
 from dustin_jax.eval import tasks as tasklib
 from dustin_jax.eval.texts import read_text
 from dustin_jax.profiling.runtime import (QWEN_EOS, load_pair, prefill_base, release_host_memory,
@@ -60,7 +61,7 @@ flags.DEFINE_list("gammas", ["2", "4", "6"], "gammas of --only_tau")
 flags.DEFINE_enum("draft_kv", "full", ["full", "streaming"], "the draft's cache in --only_tau: "
                   "full, or streaming (--draft_sink first and --draft_window last rows, "
                   "as the benchmarks' fast step runs it)")
-flags.DEFINE_enum("draft_head", "native", ["native", "int8"], "the draft's LM head in "
+flags.DEFINE_enum("draft_head", "native", list(DRAFT_HEADS), "the draft's LM head in "
                   "--only_tau: its own matrix or int8 rows with per-row scales")
 flags.DEFINE_integer("draft_sink", SpecConfig().draft_sink, "sink rows of a streaming draft cache")
 flags.DEFINE_integer("draft_window", SpecConfig().draft_window, "recent rows of a streaming draft cache")

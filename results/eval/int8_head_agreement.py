@@ -30,12 +30,11 @@ from dustin_jax.profiling.runtime import Pair, text_prompt  # noqa: E402
 def argmaxes(model, tokens, chunk, heads=("native",)):
   """{head: argmax [T]} of the teacher-forced logits of `tokens` (one
   sequence), chunk by chunk through the model's cache."""
-  modules = {h: nnx.merge(*(model.with_draft_head(h)[1:])) for h in heads}
-  base = modules[heads[0]]
+  modules = {h: nnx.merge(*model.with_draft_head(h)[1:]) for h in heads}
   cache = KVCache.init(model.cfg, 1, max_len=len(tokens) + 8)
   step = jax.jit(lambda s, c, t: nnx.merge(model.graphdef, s)(t, c)[:2])
   out = {h: [] for h in heads}
-  state = nnx.split(base)[1]
+  state = model.state
   for s in range(0, len(tokens), chunk):
     part = jnp.asarray(tokens[s:s + chunk], jnp.int32)[None]
     hidden, cache = step(state, cache, part)
