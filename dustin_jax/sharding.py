@@ -217,6 +217,12 @@ class MemoryPlan:
     return "\n".join(lines)
 
 
+def int8_head_bytes(cfg: ModelConfig) -> int:
+  """Bytes of an LM head kept as int8 rows with one f32 scale per row
+  (`models.decoder.Int8Head`)."""
+  return cfg.vocab_size * cfg.hidden_size + 4 * cfg.vocab_size
+
+
 def _shards(n: int, m: int) -> int:
   return m if n % m == 0 else 1
 
@@ -255,9 +261,9 @@ def memory_plan(target: ModelConfig, draft: ModelConfig | None, *, batch: int, m
   def draft_weights(cfg: ModelConfig) -> int:
     if not draft_int8_head:
       return weights(cfg, 1)
-    v, d = cfg.vocab_size, cfg.hidden_size
-    untied_head = 0 if cfg.tie_embeddings else v * d * jnp.dtype(cfg.dtype).itemsize
-    return weights(cfg, 1) - untied_head + v * d + 4 * v
+    untied_head = (0 if cfg.tie_embeddings else
+                   cfg.vocab_size * cfg.hidden_size * jnp.dtype(cfg.dtype).itemsize)
+    return weights(cfg, 1) - untied_head + int8_head_bytes(cfg)
 
   def cache(cfg: ModelConfig, model: int) -> int:
     el = jnp.dtype(cfg.dtype).itemsize

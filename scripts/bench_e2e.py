@@ -221,9 +221,9 @@ def bench_model(name, contexts, mesh, deadline, records, save, copy_tbs=None):
   target = random_model(tcfg, 0, mesh)
   drafts = {}  # (MLP mode, LM head) -> the draft: the same weights in each
   for mode in dict.fromkeys(resolve_draft_mlp(m, dcfg, mesh) for m in FLAGS.draft_mlps):
+    draft = random_model(dcfg, 1, dmesh).with_draft_mlp(mode)
     for head in dict.fromkeys(FLAGS.draft_heads):
-      draft = random_model(dcfg, 1, dmesh)
-      drafts[mode, head] = draft.with_draft_mlp(mode).with_draft_head(head)
+      drafts[mode, head] = draft.with_draft_head(head)
   tcfg, dcfg = target.cfg, draft.cfg
   max_ctx = max(contexts)
   for batch in (int(b) for b in FLAGS.batches):

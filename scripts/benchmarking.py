@@ -28,7 +28,7 @@ from dustin_jax.cache import KVCache, cache_shardings
 from dustin_jax.compilation import use_compile_cache
 from dustin_jax.config import ModelConfig
 from dustin_jax.decoding import DecodeState, Model
-from dustin_jax.sharding import device_capacity, shard_batch_tree
+from dustin_jax.sharding import device_capacity, int8_head_bytes, shard_batch_tree
 from dustin_jax.speculative.step import SpecConfig, SpecState
 from dustin_jax.weights import place_model, random_fill, random_params
 
@@ -318,8 +318,7 @@ def floor_bytes(method, tcfg, dcfg, batch, context, gamma, budget, policy, ways=
   def draft_weights(c):
     if draft_head != "int8":
       return weights(c)
-    v, d = c.vocab_size, c.hidden_size
-    return weights(c) - v * d * 2 + v * d + 4 * v
+    return weights(c) - c.vocab_size * c.hidden_size * 2 + int8_head_bytes(c)
   def kv(c, rows):
     return c.kv_bytes_per_token(2) * rows * batch
   if method.startswith("vanilla"):

@@ -138,6 +138,10 @@ def test_memory_plan_72b_hand_computed():
   draft_w = (24 * dlayer + 151936 * 896 + 896) * 2
   plan4 = sharding.memory_plan(t, d, batch=16, max_len=32768, data=1, model=4)
   assert plan4.weights == target_w + draft_w
+  # the draft's head also as int8 rows and f32 scales, beside its tied embedding
+  assert sharding.memory_plan(t, d, batch=16, max_len=32768, data=1, model=4,
+                              draft_int8_head=True).weights == (
+      target_w + draft_w + 151936 * 896 + 4 * 151936)
   # 32k x 16: 2 (k, v) * 80 layers * 16 * (8 KV heads / 4) * 32768 * 128 * 2 bytes = 40 GiB
   assert plan4.target_cache == 40 * gib
   # the draft's cache is whole on each device: 2 * 24 layers * 16 * 2 KV heads * 32768 * 64 * 2
